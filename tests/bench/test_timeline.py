@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,3 +47,10 @@ def test_breakdown_unions_overlaps_and_averages_ranks() -> None:
     assert row["preconditioning"] == pytest.approx(1.0)
     assert row["forward+backward"] == pytest.approx(3.0)
     assert "| s | step | 10.00 |" in markdown([row])
+
+
+def test_reads_plain_and_gzipped_trace_files(tmp_path: Path) -> None:
+    plain, packed = tmp_path / "t.json", tmp_path / "t.json.gz"
+    plain.write_text(json.dumps(_trace()))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert breakdown(plain) == breakdown(packed) == breakdown(_trace())

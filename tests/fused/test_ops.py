@@ -10,6 +10,7 @@ from torch import nn
 
 import plait
 from plait.fused.ops import ELEMENTWISE, FusedDropout
+from plait.fused.ops.attention import attention
 from tests.fused.helpers import RTOL, build, rel_err, train_both
 
 
@@ -65,6 +66,10 @@ CASES = {
     ),
     "layernorm": (lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU()), feats(3, 6)),
     "layernorm_2d_shape": (lambda: nn.LayerNorm([3, 4], bias=False), feats(2, 3, 4)),
+    "layernorm_no_affine": (
+        lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8, elementwise_affine=False)),
+        feats(3, 6),
+    ),
     "groupnorm": (
         lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.SiLU()),
         images(2, 5, 5),
@@ -187,6 +192,23 @@ def test_attention_with_masks_and_cross_inputs() -> None:
     out = array(q, kv)
     for i, m in enumerate(stock):
         assert rel_err(out[i], m(q[i], kv[i])) <= RTOL
+
+
+@pytest.mark.parametrize("length", [6, 40])  # the batched-matmul kernel, then torch's
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_kernels_match_torch(length: int, masked: bool) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, length, 4, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    mask = torch.randn(3, 1, length, length, dtype=torch.float64) if masked else None
+    ours = attention(q, k, v, mask=mask, dropout_p=0.0, is_causal=False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(ours, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    # float64: both kernels compute the same sums in different orders.
+    assert rel_err(ours, ref) <= 1e-10
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert rel_err(a, b) <= 1e-10
 
 
 @pytest.mark.parametrize("norm_first", [True, False])

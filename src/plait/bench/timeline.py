@@ -12,6 +12,7 @@ shows as busy times summing to more than the step.
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 import sys
@@ -67,9 +68,18 @@ def _windows(events: list[Event]) -> list[tuple[int, str, str, float, float]]:
     return out
 
 
+def _load(path: Path) -> dict[str, Any]:
+    """A trace file, gzipped (as committed benchmark traces are) or not."""
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    out: dict[str, Any] = json.loads(raw)
+    return out
+
+
 def breakdown(trace: str | Path | dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (strategy, phase): seconds per step of each `COLUMNS` category."""
-    data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
+    data = trace if isinstance(trace, dict) else _load(Path(trace))
     events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
     by_rank: dict[int, list[Event]] = defaultdict(list)
     for e in events:
@@ -105,7 +115,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m plait.bench.timeline TRACE.json", file=sys.stderr)
+        print("usage: python -m plait.bench.timeline TRACE.json[.gz]", file=sys.stderr)
         return 2
     print(markdown(breakdown(args[0])), end="")
     return 0

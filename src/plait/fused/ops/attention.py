@@ -1,10 +1,18 @@
-"""Fused MultiheadAttention: B models' heads as extra batch entries of one attention call."""
+"""Fused MultiheadAttention: B models' heads as extra batch entries of one attention call.
+
+Fusing multiplies the attention batch by B while each (sequence, head) block stays as small
+as one model's. For the short sequences and narrow heads of sweep-sized models, torch's
+CPU flash kernel spends its time on per-block overhead, so its cost grows with the batch
+exactly as B separate calls would; batched matmuls and a softmax, with the
+probabilities kept for backward, cost about 0.6x as much there (`SmallAttention`). Long
+sequences keep the flash kernel, which never materialises the T x S probabilities.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Self
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +21,72 @@ from torch import nn
 from plait.fused.errors import UnsupportedLayerError
 from plait.fused.ops.base import FusedModule, check_same, stack_parameter
 from plait.fused.ops.linear import FusedLinear, batched_linear
+
+#: Largest T*S attention block that `SmallAttention` handles; beyond it the probabilities
+#: it keeps cost more memory traffic than the flash kernel's per-block overhead saves.
+SMALL_ATTENTION_MAX_BLOCK = 32 * 32
+
+
+class SmallAttention(torch.autograd.Function):
+    """softmax(scale * q k^T + mask) v over [batch, T, d] blocks, with a batched backward.
+
+    Forward keeps the probabilities p; backward is four batched matmuls and the softmax
+    gradient, dS = p * (dP - rowsum(dP * p)), so every kernel sees the whole batch.
+    """
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd.Function.apply passes arguments by position)
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        s = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+        if mask is not None:
+            s.add_(mask)
+        p = torch.softmax(s, dim=-1)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return torch.bmm(p, v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, p = ctx.saved_tensors
+        grad = grad.contiguous()
+        dv = torch.bmm(p.transpose(1, 2), grad)
+        dp = torch.bmm(grad, v.transpose(1, 2))
+        ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(ctx.scale)
+        dq = torch.bmm(ds, k)
+        dk = torch.bmm(ds.transpose(1, 2), q)
+        return dq, dk, dv, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """Scaled dot-product attention over [batch, heads, T, d], by the cheaper kernel.
+
+    `SmallAttention` for short, dropout-free blocks (an additive mask broadcastable to
+    [batch, heads, T, S] is allowed), torch's kernel otherwise.
+    """
+    *lead, t, d = q.shape
+    s = k.shape[-2]
+    small = t * s <= SMALL_ATTENTION_MAX_BLOCK and q.dtype in (torch.float32, torch.float64)
+    if not small or dropout_p > 0.0 or is_causal:
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal)
+    flat = [x.reshape(-1, x.shape[-2], x.shape[-1]) for x in (q, k, v)]
+    m = None if mask is None else mask.expand(*lead, t, s).reshape(-1, t, s)
+    out: torch.Tensor = SmallAttention.apply(*flat, m, 1.0 / math.sqrt(d))
+    return out.view(*lead, t, v.shape[-1])
 
 
 def additive_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -126,8 +200,13 @@ class FusedMultiheadAttention(FusedModule):
         else:
             if mask is not None:
                 mask = mask.expand(nb, n, h, t, s).reshape(nb * n, h, t, s)
-            out = F.scaled_dot_product_attention(
-                q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, p, is_causal
+            out = attention(
+                q.flatten(0, 1),
+                k.flatten(0, 1),
+                v.flatten(0, 1),
+                mask=mask,
+                dropout_p=p,
+                is_causal=is_causal,
             ).unflatten(0, (nb, n))
         out = self.out_proj(out.transpose(2, 3).reshape(nb, n, t, e))
         if unbatched:
