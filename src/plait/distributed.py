@@ -9,6 +9,7 @@ a world of one and no group is created.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -57,6 +58,16 @@ def device() -> torch.device:
 
 
 def shutdown() -> None:
-    """Destroy the default group explicitly (torch 2.13 may abort at exit otherwise)."""
+    """Destroy every process group while the interpreter is still whole.
+
+    DDP's reducer, compressors and K-FAC hold shared references to their groups and often
+    sit in reference cycles (hooks and futures point back at their owners) that only the
+    garbage collector frees. Left to interpreter exit, such a cycle can outlive
+    `destroy_process_group` and take a gloo group's worker threads down during
+    finalisation, which aborts the process after the work has finished. Collecting first
+    releases those references, so destroying the groups really joins their threads.
+    """
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

@@ -54,6 +54,8 @@ def _worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
     import torch
     import torch.distributed as dist
 
+    from plait import distributed as pdist
+
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -69,9 +71,8 @@ def _worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):  # the result is already reported
-                dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # the result is already reported
+            pdist.shutdown()
 
 
 def run_distributed(
