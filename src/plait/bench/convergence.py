@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.bench.report import stamp
+from plait.bench.report import pyplot, save_figure, stamp
 from plait.bench.workloads import get_workload
 from plait.train.loop import TrainConfig, Trainer
 
@@ -115,10 +115,7 @@ def markdown(summary: dict[str, Any], *, baseline: str) -> str:
 
 
 def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for fam, best in summary["best"].items():
@@ -137,9 +134,7 @@ def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
     ax.set_ylim(max(0.0, summary["target"] - 0.35), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def _parse_runs(specs: list[str], seeds: list[int]) -> list[Run]:

@@ -45,6 +45,26 @@ def command_line() -> str:
     return " ".join(["plait", *sys.argv[1:]]) if sys.argv else "plait"
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, imported when a plot is drawn (the
+    import costs about a second, and most runs never plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> Path:
+    """Lay `fig` out, write it to `path` (creating the folder) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def stamp(records: list[dict[str, Any]], *, command: str | None = None) -> list[dict[str, Any]]:
     """Add torch version, git commit, command and machine to every record."""
     meta = {
@@ -83,10 +103,7 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """Grouped bars: iteration time per strategy (compute-only as the inner bar)."""
     if not records:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
@@ -105,11 +122,7 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
         ax.set_title(f"{wl} @ {bw} ({recs[0]['rate'] or 'unshaped'})")
         ax.set_ylabel("seconds per step")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_reports(records: list[dict[str, Any]], out: Path) -> dict[str, Path]:

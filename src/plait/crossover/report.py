@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plait.bench.report import git_commit, machine
+from plait.bench.report import git_commit, machine, pyplot, save_figure
 
 
 def markdown(records: list[dict[str, Any]]) -> str:
@@ -49,10 +49,7 @@ def write(records: list[dict[str, Any]], out: Path, *, command: str) -> dict[str
 
 
 def _plot(records: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(records)), 4))
     labels = ["sequential", "uncoordinated", "crossover", "ideal"]
@@ -77,9 +74,7 @@ def _plot(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("aggregate throughput / sequential")
     ax.axhline(1.0, color="black", linewidth=0.5)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_interleaving(trace: Path, path: Path, *, seconds: float = 8.0) -> Path:
@@ -89,10 +84,7 @@ def plot_interleaving(trace: Path, path: Path, *, seconds: float = 8.0) -> Path:
     sits in the other's communication. Without the token, forward and backward stand for
     compute. The window is `seconds` long, centred where all jobs run.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from plait.trace import COMM, COMPUTE
 
@@ -138,7 +130,4 @@ def plot_interleaving(trace: Path, path: Path, *, seconds: float = 8.0) -> Path:
     ax.set_xlim(0, seconds)
     ax.set_xlabel("seconds (rank 0 of each job)")
     ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.bench.report import stamp
+from plait.bench.report import pyplot, save_figure, stamp
 
 
 def _by(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
@@ -45,10 +45,7 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
 def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
     """Throughput against N, one column per model, one line per strategy; the top row by
     wall clock, the bottom row per CPU second (the load-robust measure)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["workload"] for r in records))
     fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 7.5), squeeze=False)
@@ -68,11 +65,7 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.set_title(f"{model} ({recs[0]['threads']} thread/process)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_reports(records: list[dict[str, Any]], out: Path) -> dict[str, Path]:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from plait.bench.report import command_line, git_commit, machine
+from plait.bench.report import command_line, git_commit, machine, pyplot, save_figure
 from plait.fused.sweep.runner import SweepConfig, SweepResult
 
 
@@ -57,16 +57,13 @@ def markdown(data: dict[str, Any]) -> str:
 
 def plot(data: dict[str, Any], path: Path) -> Path:
     """Per-trial validation curves coloured by learning rate; final accuracy vs lr."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import cm, colors
+    plt = pyplot()
+    from matplotlib import cm, colormaps, colors
 
     trials = data["trials"]
     lrs = [r["params"]["lr"] for r in trials]
     norm = colors.LogNorm(vmin=min(lrs), vmax=max(lrs))
-    cmap = matplotlib.colormaps["viridis"]
+    cmap = colormaps["viridis"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in trials:
         xs = range(1, len(r["curve"]) + 1)
@@ -89,11 +86,7 @@ def plot(data: dict[str, Any], path: Path) -> Path:
     ax2.set_ylabel("last validation accuracy")
     ax2.set_ylim(0, 1)
     fig.colorbar(sc, ax=ax2, label="log10 weight decay")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_reports(result: SweepResult, cfg: SweepConfig, task: str, out: Path) -> dict[str, Path]:
