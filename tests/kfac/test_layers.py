@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from plait.kfac.factors import unpack
 from plait.kfac.layers import (
     Conv2dLayer,
     EmbeddingLayer,
@@ -46,14 +47,17 @@ def _check(layer: KFACLayer, x: torch.Tensor, *, batch: int) -> None:
     got = layer.grad_matrix()
     assert got is not None
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    total, n = layer.a_sum(x)
-    assert n == rows_a.shape[1]
     dense = torch.matmul(rows_a.transpose(1, 2), rows_a)
-    if layer.a_shape.diagonal:
-        torch.testing.assert_close(total, torch.diagonal(dense[0]))
-    else:
-        torch.testing.assert_close(total, dense)
-        assert total.shape == (layer.a_shape.groups, layer.a_shape.dim, layer.a_shape.dim)
+    for packed in (True, False):
+        total, n = layer.a_sum(x, packed=packed)
+        assert n == rows_a.shape[1]
+        if layer.a_shape.diagonal:
+            torch.testing.assert_close(total, torch.diagonal(dense[0]))
+        elif packed:
+            assert total.numel() == layer.a_shape.packed_numel
+            torch.testing.assert_close(unpack(total, layer.a_shape), dense)
+        else:
+            torch.testing.assert_close(total.view_as(dense), dense)
 
 
 @pytest.mark.parametrize("kw", CONVS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))

@@ -181,3 +181,16 @@ def test_state_dict_resumes_exactly() -> None:
     k4.load_state_dict(k2.state_dict(include_factors=False))
     assert k4.steps == 4
     _step(m4, k4, o4, 4)
+
+
+def test_factors_packed_in_another_band_layout_are_refused() -> None:
+    m = _mlp()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    k = KFAC(m, KFACConfig(), optimizer=o)
+    _step(m, k, o, 0)
+    state = k.state_dict()
+    state["pipeline"]["tile"] = 64  # a layout this version does not write
+    with pytest.raises(ValueError, match="bands of 64 rows"):
+        KFAC(m, KFACConfig(), optimizer=o).load_state_dict(state)
+    del state["pipeline"]["running"]  # without factors there is nothing to misread
+    KFAC(m, KFACConfig(), optimizer=o).load_state_dict(state)

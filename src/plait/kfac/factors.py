@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import lru_cache
 
 import torch
 
+from plait.kfac import triangle
 from plait.kfac.layers import FactorShape
 
 
@@ -30,33 +30,18 @@ class Method(StrEnum):
 
 
 # ------------------------------------------------------------------------- packing
-@lru_cache(maxsize=256)
-def _triu_index(n: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions of the upper triangle of an n x n matrix, and of its mirror."""
-    rows, cols = torch.triu_indices(n, n, device=device)
-    return rows * n + cols, cols * n + rows
-
-
 def pack(factor: torch.Tensor, shape: FactorShape) -> torch.Tensor:
     """Upper triangles of a [groups, n, n] factor, flat (a diagonal stays as it is)."""
     if shape.diagonal:
         return factor.reshape(-1)
-    upper, _ = _triu_index(shape.dim, str(factor.device))
-    return factor.reshape(shape.groups, -1).index_select(1, upper).reshape(-1)
+    return triangle.pack(factor.view(shape.groups, shape.dim, shape.dim))
 
 
 def unpack(flat: torch.Tensor, shape: FactorShape, *, mirror: bool = True) -> torch.Tensor:
-    """Inverse of `pack`: a [groups, n, n] matrix (without `mirror`, only its upper part)."""
+    """Inverse of `pack`: a [groups, n, n] matrix (without `mirror`, zero below the diagonal)."""
     if shape.diagonal:
         return flat
-    n, g = shape.dim, shape.groups
-    upper, lower = _triu_index(n, str(flat.device))
-    out = flat.new_zeros(g, n * n)
-    src = flat.view(g, -1)
-    out.index_copy_(1, upper, src)
-    if mirror:
-        out.index_copy_(1, lower, src)
-    return out.view(g, n, n)
+    return triangle.unpack(flat, shape.dim, shape.groups, mirror=mirror)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,10 @@ depend on how a batch is split into per-worker shards: with a mean loss over b s
 sample's output gradient carries 1/b, and b * (1/b) is the same on one worker with the whole
 batch and on p workers with a shard each. The mean of the per-worker factors is then exactly
 the factor of the whole batch (for equal shards).
+
+Sums come out flat, in the layout they travel in (`plait.kfac.triangle`): packed upper
+triangles computed as such, which halves the dominant cost of K-FAC on convolutions, or the
+dense matrix when packing is off.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from enum import StrEnum
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plait.kfac import triangle
 
 
 class FactorKind(StrEnum):
@@ -49,7 +55,7 @@ class FactorShape:
     @property
     def packed_numel(self) -> int:
         """Elements of the upper triangles (what a symmetric factor needs on the wire)."""
-        return self.dim if self.diagonal else self.groups * self.dim * (self.dim + 1) // 2
+        return self.dim if self.diagonal else self.groups * triangle.packed_numel(self.dim)
 
     @property
     def inverse_cost(self) -> float:
@@ -57,7 +63,8 @@ class FactorShape:
         return float(self.dim) if self.diagonal else float(self.groups) * float(self.dim) ** 3
 
 
-#: A factor's sum over rows (dense [groups, n, n] or diagonal [n]) and its row count.
+#: A factor's sum over rows, flat in its wire layout (packed triangles, dense [groups, n, n]
+#: or a diagonal [n]), and its row count.
 FactorSum = tuple[torch.Tensor, int]
 
 
@@ -95,15 +102,15 @@ class KFACLayer(ABC):
         Rows match `a_rows` one to one: ``g_rows^T a_rows / batch_size`` is the gradient.
         """
 
-    def a_sum(self, inputs: torch.Tensor) -> FactorSum:
-        """Sum of ``a a^T`` over the rows of one forward input."""
+    def a_sum(self, inputs: torch.Tensor, *, packed: bool) -> FactorSum:
+        """Sum of ``a a^T`` over the rows of one forward input (`packed`: triangles)."""
         rows = self.a_rows(inputs)
-        return _outer_sum(rows), rows.shape[1]
+        return _outer_sum(rows, packed=packed), rows.shape[1]
 
-    def g_sum(self, grad_output: torch.Tensor, batch_size: int) -> FactorSum:
-        """Sum of ``g g^T`` over the rows of one output gradient."""
+    def g_sum(self, grad_output: torch.Tensor, batch_size: int, *, packed: bool) -> FactorSum:
+        """Sum of ``g g^T`` over the rows of one output gradient (`packed`: triangles)."""
         rows = self.g_rows(grad_output, batch_size)
-        return _outer_sum(rows), rows.shape[1]
+        return _outer_sum(rows, packed=packed), rows.shape[1]
 
     @abstractmethod
     def grad_matrix(self) -> torch.Tensor | None:
@@ -124,9 +131,11 @@ class KFACLayer(ABC):
         return f"{type(self).__name__}({self.name!r}, A={self.a_shape}, G={self.g_shape})"
 
 
-def _outer_sum(rows: torch.Tensor) -> torch.Tensor:
-    """``rows^T rows`` per group: [groups, N, n] -> [groups, n, n]."""
-    return torch.matmul(rows.transpose(-1, -2), rows)
+def _outer_sum(rows: torch.Tensor, *, packed: bool) -> torch.Tensor:
+    """``rows^T rows`` per group of [groups, N, n] rows, flat: packed triangles or dense."""
+    if packed:
+        return triangle.syrk(rows)
+    return torch.matmul(rows.transpose(-1, -2), rows).reshape(-1)
 
 
 def _with_ones(rows: torch.Tensor) -> torch.Tensor:
@@ -275,7 +284,7 @@ class EmbeddingLayer(KFACLayer):
         onehot = F.one_hot(inputs.reshape(-1), self.module.num_embeddings)
         return onehot.to(self.module.weight.dtype).unsqueeze(0)
 
-    def a_sum(self, inputs: torch.Tensor) -> FactorSum:
+    def a_sum(self, inputs: torch.Tensor, *, packed: bool) -> FactorSum:
         """The diagonal of ``sum a a^T`` for one-hot rows: token counts (no one-hot built)."""
         idx = inputs.reshape(-1)
         counts = torch.bincount(idx, minlength=self.module.num_embeddings)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from plait.comm import ops
 from plait.comm.cost import AlphaBeta
 from plait.comm.fusion import FusionItem, Plan, ReadyTimePlanner, ThresholdPlanner, check_plan
+from plait.kfac import triangle
 from plait.kfac.factors import WireLayout
 from plait.kfac.layers import FactorKind, FactorShape
 
@@ -128,7 +129,7 @@ class _Found:
     layer: str
     kind: FactorKind
     shape: FactorShape
-    factor: torch.Tensor
+    wire: torch.Tensor
     uses: int
     ready_s: float
 
@@ -227,10 +228,11 @@ class FactorPipeline:
             b.wire = None
 
     def put(
-        self, key: str, *, layer: str, kind: FactorKind, shape: FactorShape, factor: torch.Tensor,
+        self, key: str, *, layer: str, kind: FactorKind, shape: FactorShape, wire: torch.Tensor,
         uses: int = 1,
     ) -> None:  # fmt: skip
-        """Hand over a finished factor of this step (the mean over this worker's rows).
+        """Hand over a finished factor of this step (the mean over this worker's rows), flat
+        in this pipeline's wire layout (`WireLayout.numel` elements).
 
         Called from the forward/backward hooks; may issue the bucket it completes.
         """
@@ -238,7 +240,7 @@ class FactorPipeline:
         assert st is not None, "put outside a step"
         if not self.discovered:
             self._discovery.append(_Found(key=key, layer=layer, kind=kind, shape=shape,
-                                          factor=factor, uses=uses,
+                                          wire=wire, uses=uses,
                                           ready_s=time.perf_counter() - st.t0))  # fmt: skip
             return
         i = self._index.get(key)
@@ -246,7 +248,7 @@ class FactorPipeline:
             return
         s = self.slots[i]
         assert self.running is not None and self.initialized is not None
-        wire = self.layout.to_wire(factor, shape)
+        assert wire.numel() == s.numel, f"{key}: {wire.numel()} wire elements, slot {s.numel}"
         region = slice(s.offset, s.offset + s.numel)
         if self.cfg.sync is FactorSync.LAZY or not st.communicate:
             self._fold(i, wire, st.decay)
@@ -376,8 +378,8 @@ class FactorPipeline:
                                    uses=f.uses))  # fmt: skip
             self._index[f.key] = pos
             offset += numel
-        dtype = found[0].factor.dtype if found else torch.float32
-        device = found[0].factor.device if found else torch.device("cpu")
+        dtype = found[0].wire.dtype if found else torch.float32
+        device = found[0].wire.device if found else torch.device("cpu")
         self.running = torch.zeros(offset, dtype=dtype, device=device)
         if self.cfg.sync is FactorSync.EAGER and self.world > 1:
             self._batch = torch.zeros(offset, dtype=dtype, device=device)
@@ -387,7 +389,7 @@ class FactorPipeline:
         for b in self._buckets:
             b.pending = 0
         for i, f in enumerate(found):
-            wire = self.layout.to_wire(f.factor, f.shape)
+            wire = f.wire
             if self.cfg.sync is FactorSync.LAZY or not st.communicate:
                 self._fold(i, wire, st.decay)
             else:
@@ -467,6 +469,7 @@ class FactorPipeline:
             "planned_ready": list(self._planned_ready),
             "comm_steps": self.comm_steps,
             "packed": self.cfg.packed,
+            "tile": triangle.TILE,
         }
         if include_factors and self.running is not None:
             state["running"] = self.running.clone()
@@ -478,6 +481,12 @@ class FactorPipeline:
             return
         if bool(state.get("packed", self.cfg.packed)) != self.cfg.packed:
             raise ValueError("checkpoint factors were stored with another packing setting")
+        if self.cfg.packed and "running" in state and state.get("tile") != triangle.TILE:
+            raise ValueError(
+                f"checkpoint factors were packed in bands of {state.get('tile')} rows, this "
+                f"version packs bands of {triangle.TILE}: load it with the version that wrote "
+                "it, or save checkpoints with include_factors=False"
+            )
         self.slots.clear()
         self._index.clear()
         offset = 0

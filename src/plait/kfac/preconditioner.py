@@ -320,7 +320,7 @@ class KFAC:
         if not self._dry and not self._accumulating and not self.pipeline.in_step:
             self._begin_pipeline_step()
         with span(f"A {layer.name}", FACTOR):
-            total, rows = layer.a_sum(x)
+            total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed)
         self._add(layer, FactorKind.A, total, rows)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             batch = _batch_size(layer, x)
@@ -328,7 +328,7 @@ class KFAC:
 
     def _on_grad(self, layer: KFACLayer, batch: int, grad: torch.Tensor) -> None:
         with torch.no_grad(), span(f"G {layer.name}", FACTOR):
-            total, rows = layer.g_sum(grad.detach(), batch)
+            total, rows = layer.g_sum(grad.detach(), batch, packed=self.pipeline.layout.packed)
             self._add(layer, FactorKind.G, total, rows)
 
     def _begin_pipeline_step(self) -> None:
@@ -362,7 +362,7 @@ class KFAC:
         if not self.pipeline.in_step:
             self._begin_pipeline_step()
         uses = acc.uses_now
-        self.pipeline.put(key, layer=layer.name, kind=kind, shape=layer.shape(kind), factor=mean,
+        self.pipeline.put(key, layer=layer.name, kind=kind, shape=layer.shape(kind), wire=mean,
                           uses=uses)  # fmt: skip
 
     def _finalize_all(self) -> None:
