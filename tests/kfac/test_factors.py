@@ -108,3 +108,20 @@ def test_kl_clip_scale() -> None:
     assert float(s) == pytest.approx(math.sqrt(0.06 / 0.24))
     assert float(kl_clip_scale(list(zip(p, m, strict=True)), lr=0.1, kl_clip=10.0)) == 1.0
     assert float(kl_clip_scale([(torch.zeros(2), torch.ones(2))], lr=0.1, kl_clip=1.0)) == 1.0
+
+
+def test_an_indefinite_factor_is_lifted_to_the_damping_floor() -> None:
+    """Rounding can leave a running factor slightly indefinite; Cholesky then fails and the
+    spectrum is clamped at sqrt(damping) instead, which is what the damped inverse of an
+    exact (PSD) factor can never go below either."""
+    vals = torch.tensor([4.0, 1.0, -0.5], dtype=torch.float64)  # -0.5 + sqrt(0.01) < 0
+    q, _ = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64))
+    f = (q * vals) @ q.T
+    so = decompose(f.unsqueeze(0), FactorShape(dim=3), method=Method.INVERSE, damping=0.01,
+                   packed=True)  # fmt: skip
+    lifted = (q * torch.tensor([4.1, 1.1, 0.1], dtype=torch.float64)) @ q.T
+    m = torch.randn(1, 1, 3, dtype=torch.float64)
+    one = decompose(torch.zeros(1, 1, 1, dtype=torch.float64), FactorShape(dim=1),
+                    method=Method.INVERSE, damping=1.0, packed=True)  # fmt: skip
+    # G^-1 = (0 + sqrt(1))^-1 = 1, so only A's lifted inverse acts
+    torch.testing.assert_close(precondition(m, so, one), m @ torch.linalg.inv(lifted))

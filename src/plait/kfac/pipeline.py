@@ -43,7 +43,6 @@ import torch.distributed as dist
 from plait.comm import ops
 from plait.comm.cost import AlphaBeta
 from plait.comm.fusion import FusionItem, Plan, ReadyTimePlanner, ThresholdPlanner, check_plan
-from plait.kfac import triangle
 from plait.kfac.factors import WireLayout
 from plait.kfac.layers import FactorKind, FactorShape
 
@@ -469,7 +468,6 @@ class FactorPipeline:
             "planned_ready": list(self._planned_ready),
             "comm_steps": self.comm_steps,
             "packed": self.cfg.packed,
-            "tile": triangle.TILE,
         }
         if include_factors and self.running is not None:
             state["running"] = self.running.clone()
@@ -481,12 +479,6 @@ class FactorPipeline:
             return
         if bool(state.get("packed", self.cfg.packed)) != self.cfg.packed:
             raise ValueError("checkpoint factors were stored with another packing setting")
-        if self.cfg.packed and "running" in state and state.get("tile") != triangle.TILE:
-            raise ValueError(
-                f"checkpoint factors were packed in bands of {state.get('tile')} rows, this "
-                f"version packs bands of {triangle.TILE}: load it with the version that wrote "
-                "it, or save checkpoints with include_factors=False"
-            )
         self.slots.clear()
         self._index.clear()
         offset = 0

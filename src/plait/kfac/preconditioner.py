@@ -67,6 +67,10 @@ from plait.kfac.placement import (
 )
 from plait.trace import FACTOR, INVERSE, PRECONDITION, span
 
+#: Layout of saved factors and decompositions. 2: factors packed in row bands
+#: (`plait.kfac.triangle`), the inverse method stored as Cholesky factors.
+STATE_FORMAT = 2
+
 
 @dataclass
 class _Acc:
@@ -608,6 +612,7 @@ class KFAC:
         a worker holds differ between workers): checkpoint it per rank.
         """
         state: dict[str, Any] = {
+            "format": STATE_FORMAT,
             "steps": self.steps,
             "config": self.cfg.constants(),
             "pipeline": self.pipeline.state_dict(include_factors=include_factors),
@@ -628,7 +633,18 @@ class KFAC:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict` output (of the same model, world size and settings)."""
+        """Restore `state_dict` output (of the same model, world size and settings).
+
+        Raises:
+            ValueError: factors or decompositions saved in another format.
+        """
+        has_factors = "second_order" in state or "running" in state.get("pipeline", {})
+        if has_factors and state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"checkpoint K-FAC factors are in format {state.get('format')}, this version "
+                f"reads format {STATE_FORMAT}: resume with the version that wrote it, or "
+                "from a state_dict(include_factors=False)"
+            )
         self.steps = int(state["steps"])
         self.pipeline.load_state_dict(state.get("pipeline", {}))
         self._second.clear()
@@ -638,7 +654,7 @@ class KFAC:
             s = self.pipeline.slot(key)
             self._second[key] = SecondOrder(
                 method=Method(so["method"]), shape=s.shape, damping=float(so["damping"]),
-                inverse=so["inverse"], basis=so["basis"], values=so["values"],
+                chol=so["chol"], inverse=so["inverse"], basis=so["basis"], values=so["values"],
             )  # fmt: skip
         self._ready.update(state.get("ready", []))
         asg = state.get("assignment")
