@@ -50,7 +50,8 @@ class KFACConfig:
         comm: factor communication: ``after-backward``, ``static`` or ``dynamic``.
         sync: ``eager`` (batch factors every update) or ``lazy`` (running averages, only
             when inverting; the same factors, fewer bytes).
-        packed: symmetric factors (and inverses) travel as upper triangles.
+        packed: symmetric factors are computed and travel as upper triangles (and Cholesky
+            factors as triangles).
         comm_dtype: factor wire dtype, None/"fp32", "fp16" or "bf16".
         bucket_cap_mb: static bucket threshold (MB).
         placement: ``round-robin``, ``greedy`` or ``lpt``.
