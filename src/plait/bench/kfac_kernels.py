@@ -1,0 +1,161 @@
+"""K-FAC's per-layer kernels on one core: factor sums, decompositions, preconditioning.
+
+Each row times the kernel plait uses against the textbook one on a real model's layer
+shapes, side by side in one process with one intra-op thread (what each emulated worker
+gets), median of `repeats`:
+
+- A factor: ``X^T X`` then packing its upper triangle, against `triangle.syrk` writing the
+  packed triangle directly;
+- decomposition: Cholesky plus explicit inverse, against the Cholesky factor alone;
+- preconditioning ``M A^-1``: a product with the inverse, against two triangular solves.
+
+    python -m plait.bench.kfac_kernels [--workload resnet18] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.bench.report import git_commit, machine
+from plait.bench.workloads import get_workload
+from plait.kfac import triangle
+from plait.kfac.factors import pack
+from plait.kfac.layers import KFACLayer, make_layer
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _layer_inputs(workload: str) -> list[tuple[KFACLayer, torch.Tensor]]:
+    """Every K-FAC layer of the workload's model with its input at the bench batch size."""
+    wl = get_workload(workload)
+    data = wl.synthetic(wl.bench_batch)
+    model = wl.model(data.info, bench=True)
+    x = torch.stack([data.train[i][0] for i in range(wl.bench_batch)])
+    captured: list[tuple[KFACLayer, torch.Tensor]] = []
+    handles = []
+    for name, module in model.named_modules():
+        layer = make_layer(name, module)
+        if layer is None or layer.a_shape.diagonal:
+            continue
+
+        def hook(_m: nn.Module, inputs: tuple[Any, ...], _o: Any, layer: KFACLayer = layer) -> None:
+            captured.append((layer, inputs[0].detach()))
+
+        handles.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return captured
+
+
+def _layer_record(layer: KFACLayer, x: torch.Tensor, repeats: int) -> dict[str, Any]:
+    rows = layer.a_rows(x)
+    shape = layer.a_shape
+    spd = triangle.unpack(triangle.syrk(rows), shape.dim, shape.groups) / rows.shape[1]
+    damped = spd + torch.eye(shape.dim)
+    chol = torch.linalg.cholesky(damped, upper=True)
+    inv = torch.cholesky_inverse(chol, upper=True)
+    grad = torch.randn(shape.groups, layer.g_shape.dim, shape.dim)
+
+    def chol_inverse() -> torch.Tensor:
+        return torch.cholesky_inverse(torch.linalg.cholesky(damped, upper=True), upper=True)
+
+    def solves() -> torch.Tensor:
+        out: torch.Tensor = torch.linalg.solve_triangular(chol, grad, upper=True, left=False)
+        out = torch.linalg.solve_triangular(chol.transpose(-1, -2), out, upper=False, left=False)
+        return out
+
+    return {
+        "layer": layer.name,
+        "rows": int(rows.shape[1]),
+        "dim": shape.dim,
+        "groups": shape.groups,
+        "factor_dense_s": _median_s(
+            lambda: pack(torch.matmul(rows.transpose(1, 2), rows), shape), repeats
+        ),
+        "factor_tiled_s": _median_s(lambda: triangle.syrk(rows), repeats),
+        "decompose_inverse_s": _median_s(chol_inverse, repeats),
+        "decompose_cholesky_s": _median_s(
+            lambda: torch.linalg.cholesky(damped, upper=True), repeats
+        ),
+        "precondition_inverse_s": _median_s(lambda: torch.matmul(grad, inv), repeats),
+        "precondition_solves_s": _median_s(solves, repeats),
+    }
+
+
+def measure(*, workload: str, repeats: int = 5) -> list[dict[str, Any]]:
+    """One record per layer (A side): seconds of each kernel pair."""
+    torch.set_num_threads(1)
+    return [_layer_record(layer, x, repeats) for layer, x in _layer_inputs(workload)]
+
+
+_PAIRS = [
+    ("A factor", "factor_dense_s", "factor_tiled_s"),
+    ("decomposition", "decompose_inverse_s", "decompose_cholesky_s"),
+    ("preconditioning M A^-1", "precondition_inverse_s", "precondition_solves_s"),
+]
+
+
+def markdown(records: list[dict[str, Any]], *, workload: str) -> str:
+    out = [f"# K-FAC kernels on {workload}'s layers, one core\n"]
+    out.append("| kernel | textbook s | plait s | speed-up |\n|---|---|---|---|\n")
+    for title, old, new in _PAIRS:
+        a, b = sum(r[old] for r in records), sum(r[new] for r in records)
+        out.append(f"| {title}, all layers | {a:.3f} | {b:.3f} | {a / b:.2f}x |\n")
+    out.append("\nPer layer (A side; seconds):\n\n")
+    out.append("| layer | rows x dim | X^T X + pack | tiled | chol + inverse | chol | "
+               "M A^-1 | solves |\n|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    for r in records:
+        out.append(
+            f"| {r['layer']} | {r['rows']} x {r['dim']}"
+            + (f" ({r['groups']} groups)" if r["groups"] > 1 else "")
+            + "".join(f" | {r[k]:.4f}" for _, o, n in _PAIRS for k in (o, n))
+            + " |\n"
+        )
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m plait.bench.kfac_kernels",
+                                     description=__doc__.splitlines()[0])  # fmt: skip
+    parser.add_argument("--workload", default="resnet18")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    records = measure(workload=args.workload, repeats=args.repeats)
+    text = markdown(records, workload=args.workload)
+    text += f"\ncommit {git_commit()}, torch {torch.__version__}, 1 intra-op thread\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.md").write_text(text)
+        meta = {"workload": args.workload, "commit": git_commit(), "machine": machine()}
+        (args.out / "results.json").write_text(
+            json.dumps({"meta": meta, "layers": records}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

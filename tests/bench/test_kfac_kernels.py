@@ -1,0 +1,25 @@
+"""The K-FAC kernel benchmark times every layer and writes its tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plait.bench import kfac_kernels
+from plait.bench.workloads import get_workload
+from plait.kfac.layers import make_layer
+
+
+def test_every_layer_of_the_model_is_timed(tmp_path: Path) -> None:
+    wl = get_workload("mlp")
+    data = wl.synthetic(4)
+    model = wl.model(data.info, bench=True)
+    expected = [n for n, m in model.named_modules() if make_layer(n, m) is not None]
+    assert kfac_kernels.main(["--workload", "mlp", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    layers = json.loads((tmp_path / "results.json").read_text())["layers"]
+    assert [r["layer"] for r in layers] == expected
+    for r in layers:
+        assert all(r[k] > 0 for k in r if k.endswith("_s"))
+    text = (tmp_path / "results.md").read_text()
+    for title in ("A factor", "decomposition", "preconditioning"):
+        assert f"| {title}" in text
