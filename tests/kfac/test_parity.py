@@ -57,6 +57,31 @@ def _cnn() -> nn.Module:
     ).double()
 
 
+def _wide() -> nn.Module:
+    """Factors wider than one band of the packed layout (A 136 and 131, G 130) on both
+    sides, each beside a narrow partner so that the reference's explicit Kronecker solve
+    stays small."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 15, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(15, 3, 3),  # A: 15 * 3 * 3 + 1 = 136
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(3, 130),  # G: 130
+        nn.Tanh(),
+        nn.Linear(130, 5),  # A: 131
+    ).double()
+
+
+#: Specs whose packed triangles (factors, and Cholesky factors under comm-opt) also run
+#: on `_wide`: the band layout only differs from a plain triangle above 128 rows.
+WIDE = {
+    f"spd-kfac:{COMMON}",
+    f"spd-kfac:{COMMON},sync=eager,distribution=comm-opt,local_inversion=false",
+}
+
+
 class _Tokens(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -73,12 +98,12 @@ def _tokens() -> nn.Module:
     return _Tokens().double()
 
 
-MODELS = {"cnn": _cnn, "tokens": _tokens}
+MODELS = {"cnn": _cnn, "tokens": _tokens, "wide": _wide}
 
 
 def _data(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    if kind == "cnn":
+    if kind in ("cnn", "wide"):
         x = torch.randn(STEPS, BATCH, 2, 6, 6, generator=g, dtype=torch.float64)
         return x, torch.randint(0, 5, (STEPS, BATCH), generator=g)
     x = torch.randint(0, 11, (STEPS, BATCH, 3), generator=g)
@@ -135,6 +160,8 @@ def _all_cases(rank: int, world: int) -> dict[str, list[list[torch.Tensor]]]:
         if world not in worlds:
             continue
         for kind in MODELS:
+            if kind == "wide" and spec not in WIDE:
+                continue
             dry = spec.startswith("spd-kfac") and kind == "cnn"
             results[f"{spec}|{kind}"] = _train(rank, world, spec, kind, dry)
     return results
