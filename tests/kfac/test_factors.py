@@ -47,15 +47,17 @@ def test_decompositions_read_only_the_upper_triangle(method: Method) -> None:
     torch.testing.assert_close(precondition(m, a, g), precondition(m, b, g))
 
 
-def test_inverse_method_is_factored_tikhonov() -> None:
+@pytest.mark.parametrize("explicit", [False, True], ids=["cholesky", "explicit"])
+def test_inverse_method_is_factored_tikhonov(explicit: bool) -> None:
     """(G + sqrt(d) I)^-1 M (A + sqrt(d) I)^-1, from torch.linalg.inv."""
     a, g = _spd(5)[0], _spd(3, seed=1)[0]
     m = torch.randn(1, 3, 5, dtype=torch.float64)
     d = 0.04
     sa = decompose(a.unsqueeze(0), FactorShape(dim=5), method=Method.INVERSE, damping=d,
-                   packed=True)  # fmt: skip
+                   packed=True, explicit=explicit)  # fmt: skip
     sg = decompose(g.unsqueeze(0), FactorShape(dim=3), method=Method.INVERSE, damping=d,
-                   packed=True)  # fmt: skip
+                   packed=True, explicit=explicit)  # fmt: skip
+    assert (sa.inverse is not None) == explicit and (sa.chol is not None) != explicit
     want = torch.linalg.inv(g + math.sqrt(d) * torch.eye(3, dtype=torch.float64)) @ m[0]
     want = want @ torch.linalg.inv(a + math.sqrt(d) * torch.eye(5, dtype=torch.float64))
     torch.testing.assert_close(precondition(m, sa, sg)[0], want)
@@ -75,18 +77,24 @@ def test_eigen_method_is_exact_tikhonov() -> None:
     torch.testing.assert_close(precondition(m, sa, sg)[0], want)
 
 
-@pytest.mark.parametrize("method", list(Method))
+FORMS = [(Method.INVERSE, False), (Method.INVERSE, True), (Method.EIGEN, False)]
+
+
+@pytest.mark.parametrize(("method", "explicit"), FORMS, ids=["cholesky", "explicit", "eigen"])
 @pytest.mark.parametrize("packed", [True, False])
-def test_second_order_survives_the_wire(method: Method, packed: bool) -> None:
-    shape = FactorShape(dim=5, groups=2)
-    so = decompose(_spd(5, 2), shape, method=method, damping=0.1, packed=packed)
+def test_second_order_survives_the_wire(method: Method, explicit: bool, packed: bool) -> None:
+    # 130 > one band of the packed layout
+    shape = FactorShape(dim=130, groups=2)
+    so = decompose(_spd(130, 2), shape, method=method, damping=0.1, packed=packed,
+                   explicit=explicit)  # fmt: skip
+    assert so.explicit == explicit
     flat = so.to_wire(packed=packed)
     assert flat.numel() == so.wire_numel(packed=packed)
     back = SecondOrder.from_wire(flat.clone(), method=method, shape=shape, damping=0.1,
-                                 packed=packed)  # fmt: skip
-    m = torch.randn(2, 4, 5, dtype=torch.float64)
+                                 packed=packed, explicit=explicit)  # fmt: skip
+    m = torch.randn(2, 4, 130, dtype=torch.float64)
     g = decompose(_spd(4, 2, 3), FactorShape(dim=4, groups=2), method=method, damping=0.1,
-                  packed=packed)  # fmt: skip
+                  packed=packed, explicit=explicit)  # fmt: skip
     # bit-identical: the owner and every receiver must precondition with the same numbers
     assert torch.equal(precondition(m, so, g), precondition(m, back, g))
 

@@ -30,7 +30,12 @@ CASES: list[tuple[str, tuple[int, ...]]] = [
     (f"kfac-naive:{COMMON}", (1, 2, 4)),
     (f"kfac-static:{COMMON},bucket_cap_mb=0.001", (1, 2, 4)),
     (f"spd-kfac:{COMMON}", (1, 2, 4)),
-    (f"spd-kfac:{COMMON},sync=eager,distribution=comm-opt,local_inversion=false", (2,)),
+    (
+        f"spd-kfac:{COMMON},sync=eager,distribution=comm-opt,local_inversion=false,"
+        "inverse_form=cholesky",
+        (2,),
+    ),
+    (f"spd-kfac:{COMMON},distribution=mem-opt,inverse_form=explicit", (2,)),
     (f"spd-kfac:{COMMON},distribution=mem-opt,local_inversion=false", (2, 4)),
     (f"spd-kfac:{COMMON},distribution=hybrid,grad_workers=2,local_inversion=false", (4,)),
     (f"kfac-static:{COMMON},distribution=hybrid,grad_workers=2", (4,)),
@@ -78,7 +83,8 @@ def _wide() -> nn.Module:
 #: on `_wide`: the band layout only differs from a plain triangle above 128 rows.
 WIDE = {
     f"spd-kfac:{COMMON}",
-    f"spd-kfac:{COMMON},sync=eager,distribution=comm-opt,local_inversion=false",
+    f"spd-kfac:{COMMON},sync=eager,distribution=comm-opt,local_inversion=false,"
+    "inverse_form=cholesky",
 }
 
 

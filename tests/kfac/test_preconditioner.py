@@ -46,6 +46,7 @@ def _step(
         ({"factor_interval": 0}, "factor_interval"),
         ({"inv_interval": 2.5}, "inv_interval"),
         ({"method": "svd"}, "unknown method 'svd'"),
+        ({"inverse_form": "lu"}, "inverse_form"),
         ({"comm": "smoke-signals"}, "factor communication"),
         ({"placement": "random"}, "placement"),
         ({"distribution": "everyone"}, "distribution"),
@@ -195,3 +196,19 @@ def test_factors_saved_in_another_format_are_refused() -> None:
     bare = k.state_dict(include_factors=False)  # without factors there is nothing to misread
     bare.pop("format")
     KFAC(m, KFACConfig(), optimizer=o).load_state_dict(bare)
+
+
+@pytest.mark.parametrize(("inv_interval", "a_explicit"), [(1, False), (500, True)])
+def test_auto_form_weighs_inversion_against_uses(inv_interval: int, a_explicit: bool) -> None:
+    """A 301-wide A factor beside a 2-wide G: inverting A explicitly costs ~301^3 and saves
+    ~301^2 * 2 per use, so only a factor reused for over a hundred steps is worth inverting;
+    G is used with a 301-wide partner and is always worth it."""
+    torch.manual_seed(0)
+    model = nn.Linear(300, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFAC(model, KFACConfig(inv_interval=inv_interval), optimizer=opt)
+    x = torch.randn(16, 300, dtype=torch.float64)
+    nn.functional.cross_entropy(model(x), torch.randint(0, 2, (16,))).backward()
+    kfac.step()
+    forms = {key.rsplit("/", 1)[1]: so.explicit for key, so in kfac._second.items()}
+    assert forms == {"A": a_explicit, "G": True}

@@ -6,8 +6,10 @@ gets), median of `repeats`:
 
 - A factor: ``X^T X`` then packing its upper triangle, against `triangle.syrk` writing the
   packed triangle directly;
-- decomposition: Cholesky plus explicit inverse, against the Cholesky factor alone;
-- preconditioning ``M A^-1``: a product with the inverse, against two triangular solves.
+- decomposition of A and G: Cholesky plus explicit inverse, against `decompose` (the
+  Cholesky factor alone);
+- preconditioning ``G^-1 M A^-1``: products with the two inverses, against `precondition`
+  (triangular solves).
 
     python -m plait.bench.kfac_kernels [--workload resnet18] [--out DIR]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -29,7 +32,7 @@ from torch import nn
 from plait.bench.report import git_commit, machine
 from plait.bench.workloads import get_workload
 from plait.kfac import triangle
-from plait.kfac.factors import pack
+from plait.kfac.factors import Method, SecondOrder, decompose, pack, precondition
 from plait.kfac.layers import KFACLayer, make_layer
 
 
@@ -67,51 +70,63 @@ def _layer_inputs(workload: str) -> list[tuple[KFACLayer, torch.Tensor]]:
     return captured
 
 
+def _spd(rows: torch.Tensor) -> torch.Tensor:
+    return triangle.unpack(triangle.syrk(rows), rows.shape[-1], rows.shape[0]) / rows.shape[1]
+
+
 def _layer_record(layer: KFACLayer, x: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """Seconds of each kernel pair on one layer. The A factor comes from the layer's real
+    input; G, whose values do not change what the kernels cost, from random rows."""
     rows = layer.a_rows(x)
-    shape = layer.a_shape
-    spd = triangle.unpack(triangle.syrk(rows), shape.dim, shape.groups) / rows.shape[1]
-    damped = spd + torch.eye(shape.dim)
-    chol = torch.linalg.cholesky(damped, upper=True)
-    inv = torch.cholesky_inverse(chol, upper=True)
-    grad = torch.randn(shape.groups, layer.g_shape.dim, shape.dim)
+    a_shape, g_shape = layer.a_shape, layer.g_shape
+    a = _spd(rows)
+    g = _spd(torch.randn(g_shape.groups, 2 * g_shape.dim, g_shape.dim))
+    grad = torch.randn(a_shape.groups, g_shape.dim, a_shape.dim)
+    damping = 1e-2
+    root = math.sqrt(damping)
 
-    def chol_inverse() -> torch.Tensor:
-        return torch.cholesky_inverse(torch.linalg.cholesky(damped, upper=True), upper=True)
+    def inverse(f: torch.Tensor) -> torch.Tensor:
+        chol = torch.linalg.cholesky(f + root * torch.eye(f.shape[-1]), upper=True)
+        return torch.cholesky_inverse(chol, upper=True)
 
-    def solves() -> torch.Tensor:
-        out: torch.Tensor = torch.linalg.solve_triangular(chol, grad, upper=True, left=False)
-        out = torch.linalg.solve_triangular(chol.transpose(-1, -2), out, upper=False, left=False)
-        return out
+    def textbook_inverses() -> tuple[torch.Tensor, torch.Tensor]:
+        return inverse(a), inverse(g)
 
+    def plait_decompositions() -> tuple[SecondOrder, SecondOrder]:
+        return (
+            decompose(a, a_shape, method=Method.INVERSE, damping=damping, packed=True),
+            decompose(g, g_shape, method=Method.INVERSE, damping=damping, packed=True),
+        )
+
+    a_inv, g_inv = textbook_inverses()
+    a_so, g_so = plait_decompositions()
     return {
         "layer": layer.name,
         "rows": int(rows.shape[1]),
-        "dim": shape.dim,
-        "groups": shape.groups,
+        "a_dim": a_shape.dim,
+        "g_dim": g_shape.dim,
+        "groups": a_shape.groups,
         "factor_dense_s": _median_s(
-            lambda: pack(torch.matmul(rows.transpose(1, 2), rows), shape), repeats
+            lambda: pack(torch.matmul(rows.transpose(1, 2), rows), a_shape), repeats
         ),
         "factor_tiled_s": _median_s(lambda: triangle.syrk(rows), repeats),
-        "decompose_inverse_s": _median_s(chol_inverse, repeats),
-        "decompose_cholesky_s": _median_s(
-            lambda: torch.linalg.cholesky(damped, upper=True), repeats
-        ),
-        "precondition_inverse_s": _median_s(lambda: torch.matmul(grad, inv), repeats),
-        "precondition_solves_s": _median_s(solves, repeats),
+        "decompose_inverse_s": _median_s(textbook_inverses, repeats),
+        "decompose_cholesky_s": _median_s(plait_decompositions, repeats),
+        "precondition_inverse_s": _median_s(lambda: g_inv @ grad @ a_inv, repeats),
+        "precondition_solves_s": _median_s(lambda: precondition(grad, a_so, g_so), repeats),
     }
 
 
 def measure(*, workload: str, repeats: int = 5) -> list[dict[str, Any]]:
-    """One record per layer (A side): seconds of each kernel pair."""
+    """One record per layer: seconds of each kernel pair."""
     torch.set_num_threads(1)
     return [_layer_record(layer, x, repeats) for layer, x in _layer_inputs(workload)]
 
 
 _PAIRS = [
     ("A factor", "factor_dense_s", "factor_tiled_s"),
-    ("decomposition", "decompose_inverse_s", "decompose_cholesky_s"),
-    ("preconditioning M A^-1", "precondition_inverse_s", "precondition_solves_s"),
+    ("decomposition of A and G", "decompose_inverse_s", "decompose_cholesky_s"),
+    ("preconditioning G^-1 M A^-1", "precondition_inverse_s", "precondition_solves_s"),
 ]
 
 
@@ -121,12 +136,12 @@ def markdown(records: list[dict[str, Any]], *, workload: str) -> str:
     for title, old, new in _PAIRS:
         a, b = sum(r[old] for r in records), sum(r[new] for r in records)
         out.append(f"| {title}, all layers | {a:.3f} | {b:.3f} | {a / b:.2f}x |\n")
-    out.append("\nPer layer (A side; seconds):\n\n")
-    out.append("| layer | rows x dim | X^T X + pack | tiled | chol + inverse | chol | "
-               "M A^-1 | solves |\n|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    out.append("\nPer layer (seconds; rows x A dim, G dim):\n\n")
+    out.append("| layer | factor shape | X^T X + pack | tiled | chol + inverse | chol | "
+               "inverse products | solves |\n|---|---|---|---|---|---|---|---|\n")  # fmt: skip
     for r in records:
         out.append(
-            f"| {r['layer']} | {r['rows']} x {r['dim']}"
+            f"| {r['layer']} | {r['rows']} x {r['a_dim']}, {r['g_dim']}"
             + (f" ({r['groups']} groups)" if r["groups"] > 1 else "")
             + "".join(f" | {r[k]:.4f}" for _, o, n in _PAIRS for k in (o, n))
             + " |\n"

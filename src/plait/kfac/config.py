@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from plait.kfac.factors import Method
+from plait.kfac.factors import InverseForm, Method
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
 
@@ -47,6 +47,9 @@ class KFACConfig:
         factor_interval: steps between factor updates (>= 1).
         inv_interval: steps between inversions (>= 1).
         method: ``inverse`` (Cholesky) or ``eigen``.
+        inverse_form: how the inverse method holds a factor: ``cholesky`` (triangular
+            factor, solves), ``explicit`` (inverse, products) or ``auto`` (per factor, from
+            how often it is used against a start-up timing of both).
         comm: factor communication: ``after-backward``, ``static`` or ``dynamic``.
         sync: ``eager`` (batch factors every update) or ``lazy`` (running averages, only
             when inverting; the same factors, fewer bytes).
@@ -72,6 +75,7 @@ class KFACConfig:
     factor_interval: IntSchedule = 1
     inv_interval: IntSchedule = 1
     method: Method | str = Method.INVERSE
+    inverse_form: InverseForm | str = InverseForm.AUTO
     comm: FactorComm | str = FactorComm.DYNAMIC
     sync: FactorSync | str = FactorSync.EAGER
     packed: bool = True
@@ -89,6 +93,7 @@ class KFACConfig:
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
         set_("method", _enum(Method, self.method, "method"))
+        set_("inverse_form", _enum(InverseForm, self.inverse_form, "inverse_form"))
         set_("comm", _enum(FactorComm, self.comm, "factor communication"))
         set_("sync", _enum(FactorSync, self.sync, "factor sync"))
         set_("placement", _enum(PlacementPolicy, self.placement, "placement"))

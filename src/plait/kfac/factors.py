@@ -9,11 +9,13 @@ the two eigenbases. The inverse method inverts each factor on its own and so spl
 factored Tikhonov damping (Martens & Grosse, with pi = 1): ``(A + sqrt(gamma) I)^-1`` and
 ``(G + sqrt(gamma) I)^-1``, which keeps the gamma term of the exact product.
 
-The inverse method never forms an inverse. It keeps the upper Cholesky factor ``U`` of each
-damped factor and applies ``(U^T U)^-1`` by two triangular solves: the solves cost the
-same flops as a product with the inverse, while the decomposition is a third of the work
-of Cholesky followed by inversion (measured 0.54 s against 1.39 s for a 4608 x 4608
-factor on one core), and ``U`` is triangular, so it travels packed as it is.
+The inverse method holds each damped factor in one of two forms (`InverseForm`). The
+Cholesky form keeps the upper factor ``U`` and applies ``(U^T U)^-1`` by two triangular
+solves: the decomposition is a third of Cholesky followed by inversion (0.79 s against
+1.55 s for a 4608 and a 512 factor on one core), but triangular solves run slower than a
+product with the inverse (1.2x at that size, 2x at 384). The explicit form pays the
+inversion once and the cheaper products on every use. Which is cheaper depends on how
+often a decomposition is used, so `KFAC` picks per factor (see `InverseForm.AUTO`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ class Method(StrEnum):
 
     INVERSE = "inverse"  # Cholesky factor of each damped factor: ~n^3 / 3, applied by solves
     EIGEN = "eigen"  # symmetric eigendecomposition: exact Tikhonov damping, ~10x slower
+
+
+class InverseForm(StrEnum):
+    """How the inverse method holds a damped factor."""
+
+    CHOLESKY = "cholesky"  # the triangular factor, applied by solves: cheapest to make
+    EXPLICIT = "explicit"  # the inverse, applied by products: cheapest to use
+    AUTO = "auto"  # per factor: Cholesky unless its uses outweigh the inversion it saves
 
 
 # ------------------------------------------------------------------------- packing
@@ -70,12 +80,18 @@ class WireLayout:
             return unpack(flat, shape, mirror=False)
         return flat.view(shape.groups, shape.dim, shape.dim)
 
+    def full(self, flat: torch.Tensor, shape: FactorShape) -> torch.Tensor:
+        """A symmetric matrix (mirrored from its upper triangle when packed)."""
+        if shape.diagonal or not self.packed:
+            return self.upper(flat, shape)
+        return unpack(flat, shape)
+
 
 # ------------------------------------------------------------------- second order
 @dataclass(kw_only=True)
 class SecondOrder:
-    """A decomposed factor. INVERSE: `chol`, the upper Cholesky factor of the damped factor.
-    EIGEN: `basis` and `values`.
+    """A decomposed factor. INVERSE: `chol`, the upper Cholesky factor of the damped factor,
+    or `inverse`, its inverse. EIGEN: `basis` and `values`.
 
     A diagonal factor keeps vectors: `inverse` is 1/(a + sqrt(gamma)), `values` is a and
     `basis` is None (the identity).
@@ -92,15 +108,19 @@ class SecondOrder:
     def wire_numel(self, *, packed: bool) -> int:
         return second_order_numel(self.method, self.shape, packed=packed)
 
+    @property
+    def explicit(self) -> bool:
+        return self.method is Method.INVERSE and self.chol is None
+
     def to_wire(self, *, packed: bool) -> torch.Tensor:
-        """One flat tensor to broadcast (a Cholesky factor packs without loss: it is zero
-        below the diagonal)."""
+        """One flat tensor to broadcast (both forms pack without loss: a Cholesky factor is
+        zero below the diagonal, an inverse exactly symmetric)."""
         if self.method is Method.INVERSE:
-            if self.shape.diagonal:
-                assert self.inverse is not None
-                return self.inverse
-            assert self.chol is not None
-            return WireLayout(packed=packed).to_wire(self.chol, self.shape)
+            held = self.chol if self.chol is not None else self.inverse
+            assert held is not None
+            return (
+                held if self.shape.diagonal else WireLayout(packed=packed).to_wire(held, self.shape)
+            )
         assert self.values is not None
         if self.shape.diagonal:
             return self.values
@@ -110,11 +130,12 @@ class SecondOrder:
     @classmethod
     def from_wire(
         cls, flat: torch.Tensor, *, method: Method, shape: FactorShape, damping: float,
-        packed: bool,
+        packed: bool, explicit: bool = False,
     ) -> SecondOrder:  # fmt: skip
         if method is Method.INVERSE:
-            if shape.diagonal:
-                return cls(method=method, shape=shape, damping=damping, inverse=flat)
+            if shape.diagonal or explicit:
+                inv = WireLayout(packed=packed).full(flat, shape)
+                return cls(method=method, shape=shape, damping=damping, inverse=inv)
             chol = WireLayout(packed=packed).upper(flat, shape)
             return cls(method=method, shape=shape, damping=damping, chol=chol)
         if shape.diagonal:
@@ -144,8 +165,9 @@ def second_order_numel(method: Method, shape: FactorShape, *, packed: bool) -> i
 
 
 def decompose(
-    upper: torch.Tensor, shape: FactorShape, *, method: Method, damping: float, packed: bool
-) -> SecondOrder:
+    upper: torch.Tensor, shape: FactorShape, *, method: Method, damping: float, packed: bool,
+    explicit: bool = False,
+) -> SecondOrder:  # fmt: skip
     """Decompose a factor given by its upper triangle (or its diagonal).
 
     Args:
@@ -153,8 +175,11 @@ def decompose(
         shape: the factor's shape.
         method: inverse or eigen.
         damping: Tikhonov gamma (> 0).
-        packed: the result will travel packed (a Cholesky factor, zero below its diagonal,
-            arrives with the same bits as its owner holds, so replicas never drift apart).
+        packed: the result will travel packed. An explicit inverse is then made exactly
+            symmetric from its upper triangle here, so that its owner and every receiver
+            hold the same bits and replicas never drift apart (a Cholesky factor, zero below
+            its diagonal, arrives as it is).
+        explicit: the inverse method's explicit form instead of the Cholesky form.
     """
     if method is Method.INVERSE:
         root = math.sqrt(damping)
@@ -163,38 +188,48 @@ def decompose(
                                inverse=1.0 / (upper.clamp(min=0) + root))  # fmt: skip
         eye = torch.eye(shape.dim, dtype=upper.dtype, device=upper.device)
         damped = upper + root * eye
-        chol, info = torch.linalg.cholesky_ex(damped, upper=True)
+        # The lower factor of the transposed (lower-stored) matrix comes back column-major,
+        # so its transpose is the upper factor row-major: what receivers unpack, and the
+        # solves must see the same layout as well as the same values to give the same bits.
+        low, info = torch.linalg.cholesky_ex(damped.transpose(-1, -2), upper=False)
         if bool((info > 0).any()):  # rounding left it indefinite: lift its spectrum to >= root
             vals, vecs = torch.linalg.eigh(damped, UPLO="U")
             lifted = (vecs * vals.clamp(min=root).unsqueeze(-2)).matmul(vecs.transpose(-1, -2))
-            chol = torch.linalg.cholesky(lifted, upper=True)
-        # LAPACK hands back column-major memory; receivers unpack row-major, and the solves
-        # must see the same layout as well as the same values to give the same bits
-        return SecondOrder(method=method, shape=shape, damping=damping, chol=chol.contiguous())
+            low = torch.linalg.cholesky(lifted)
+        chol = low.transpose(-1, -2).contiguous()  # a no-op unless the fallback ran
+        if not explicit:
+            return SecondOrder(method=method, shape=shape, damping=damping, chol=chol)
+        inv = torch.cholesky_inverse(chol, upper=True)
+        # as received: mirrored from the packed triangle, or row-major
+        inv = unpack(pack(inv, shape), shape) if packed else inv.contiguous()
+        return SecondOrder(method=method, shape=shape, damping=damping, inverse=inv)
     if shape.diagonal:
         return SecondOrder(method=method, shape=shape, damping=damping,
                            values=upper.clamp(min=0))  # fmt: skip
     vals, vecs = torch.linalg.eigh(upper, UPLO="U")
-    return SecondOrder(method=method, shape=shape, damping=damping, basis=vecs,
+    # row-major like a received basis: the products must see the same layout on every rank
+    return SecondOrder(method=method, shape=shape, damping=damping, basis=vecs.contiguous(),
                        values=vals.clamp(min=0))  # fmt: skip
 
 
 def precondition(grad: torch.Tensor, a: SecondOrder, g: SecondOrder) -> torch.Tensor:
     """``(G (x) A)^-1`` applied to a [groups, g_dim, a_dim] gradient matrix."""
     if a.method is Method.INVERSE:
-        assert g.chol is not None
         # G^-1 M = U^-1 (U^-T M) and M A^-1 = (M U^-1) U^-T, with U^T U the damped factor
-        ug = g.chol
-        out: torch.Tensor = torch.linalg.solve_triangular(ug.transpose(-1, -2), grad, upper=False)
-        out = torch.linalg.solve_triangular(ug, out, upper=True)
-        if a.shape.diagonal:
-            assert a.inverse is not None
-            return out * a.inverse
-        assert a.chol is not None
-        ua = a.chol
-        out = torch.linalg.solve_triangular(ua, out, upper=True, left=False)
-        out = torch.linalg.solve_triangular(ua.transpose(-1, -2), out, upper=False, left=False)
-        return out
+        out: torch.Tensor
+        if g.chol is not None:
+            out = torch.linalg.solve_triangular(g.chol.transpose(-1, -2), grad, upper=False)
+            out = torch.linalg.solve_triangular(g.chol, out, upper=True)
+        else:
+            assert g.inverse is not None
+            out = torch.matmul(g.inverse, grad)
+        if a.chol is not None:
+            out = torch.linalg.solve_triangular(a.chol, out, upper=True, left=False)
+            return torch.linalg.solve_triangular(  # type: ignore[no-any-return]
+                a.chol.transpose(-1, -2), out, upper=False, left=False
+            )
+        assert a.inverse is not None
+        return out * a.inverse if a.shape.diagonal else torch.matmul(out, a.inverse)
     assert a.values is not None and g.values is not None and g.basis is not None
     v = torch.matmul(g.basis.transpose(-1, -2), grad)
     if a.basis is not None:

@@ -38,6 +38,7 @@ from plait.comm.cost import AlphaBeta
 from plait.comm.stats import Collective
 from plait.kfac.config import KFACConfig, check_value
 from plait.kfac.factors import (
+    InverseForm,
     Method,
     SecondOrder,
     decompose,
@@ -67,6 +68,12 @@ from plait.kfac.placement import (
 )
 from plait.trace import FACTOR, INVERSE, PRECONDITION, span
 
+#: An explicit inverse of side n pays once ``uses * m >= EXPLICIT_PAYOFF * n`` (m: the partner
+#: side it is multiplied with). Measured on one core (`plait.bench.kfac_kernels`), the
+#: break-even ratio is 0.35 at n = m = 256, 0.7 for GPT's 384-1536 factors and 0.7-1.4
+#: for ResNet-18's 1152-4608 ones: 0.7 is right for the middle and close at the ends.
+EXPLICIT_PAYOFF = 0.7
+
 #: Layout of saved factors and decompositions. 2: factors packed in row bands
 #: (`plait.kfac.triangle`), the inverse method stored as Cholesky factors.
 STATE_FORMAT = 2
@@ -89,6 +96,7 @@ class _Pending:
     future: torch.futures.Future[torch.Tensor]
     buffer: torch.Tensor
     damping: float = 0.0
+    explicit: bool = False
 
 
 @dataclass
@@ -252,6 +260,28 @@ class KFAC:
             dist.all_reduce(rates, group=self.group)
             rates /= self.world
         return float(rates[0]), float(rates[1])
+
+    def _explicit(self, slot: Slot, step: int) -> bool:
+        """Whether the inverse method keeps this factor as an explicit inverse.
+
+        AUTO weighs the cluster's work between two inversions: the Cholesky form saves an
+        explicit inversion (~n^3) on each worker that inverts the factor (one, or all of
+        them for a local factor) and costs slower solves (~n^2 m more, m the partner side)
+        on each worker that preconditions the layer, at every step until the next
+        inversion. The rule depends only on the model and the settings, never on timings,
+        so that every rank and every resumed run decides alike.
+        """
+        form = InverseForm(self.cfg.inverse_form)
+        if form is not InverseForm.AUTO or Method(self.cfg.method) is not Method.INVERSE:
+            return form is InverseForm.EXPLICIT
+        asg = self.assignment
+        assert asg is not None
+        users = len(asg.grad_workers(slot.layer))
+        inverters = users if asg.inv_rank[slot.key] == LOCAL else 1
+        other = FactorKind.G if slot.kind is FactorKind.A else FactorKind.A
+        partner = self.layers[slot.layer].shape(other).dim
+        uses = int(self._at("inv_interval", step)) * users
+        return uses * partner >= EXPLICIT_PAYOFF * slot.shape.dim * inverters
 
     def remove(self) -> None:
         """Detach the hooks (the model is left as it was)."""
@@ -478,10 +508,12 @@ class KFAC:
             self._mark_ready(s.layer)
             if self.rank not in workers:
                 continue
+            explicit = self._explicit(s, step)
             if owner in (LOCAL, self.rank):
                 with span(f"inverse {s.key}", INVERSE, n=s.shape.dim):
                     so = decompose(self.pipeline.factor_upper(s.key), s.shape, method=method,
-                                   damping=damping, packed=self.cfg.packed)  # fmt: skip
+                                   damping=damping, packed=self.cfg.packed,
+                                   explicit=explicit)  # fmt: skip
                 self.stats.inversions += 1
                 self._second[s.key] = so
                 self._pending.pop(s.key, None)
@@ -496,7 +528,8 @@ class KFAC:
                                   dtype=self.pipeline.running.dtype)  # type: ignore[union-attr]  # fmt: skip
                 fut = ops.broadcast(buf, src=self._global(owner), group=self._group(workers),
                                     name=f"inverse {s.key}")  # fmt: skip
-                self._pending[s.key] = _Pending(future=fut, buffer=buf, damping=damping)
+                self._pending[s.key] = _Pending(future=fut, buffer=buf, damping=damping,
+                                                explicit=explicit)  # fmt: skip
 
     def _mark_ready(self, layer: str) -> None:
         a, g = factor_key(layer, FactorKind.A), factor_key(layer, FactorKind.G)
@@ -510,7 +543,7 @@ class KFAC:
             s = self.pipeline.slot(key)
             self._second[key] = SecondOrder.from_wire(
                 pend.buffer, method=Method(self.cfg.method), shape=s.shape,
-                damping=pend.damping, packed=self.cfg.packed,
+                damping=pend.damping, packed=self.cfg.packed, explicit=pend.explicit,
             )  # fmt: skip
         return self._second[key]
 
@@ -587,7 +620,8 @@ class KFAC:
                     with span(f"inverse {s.key}", INVERSE, n=s.shape.dim):
                         decompose(self.pipeline.factor_upper(s.key), s.shape,
                                   method=Method(self.cfg.method), damping=damping,
-                                  packed=self.cfg.packed)  # fmt: skip
+                                  packed=self.cfg.packed,
+                                  explicit=self._explicit(s, t))  # fmt: skip
         pairs = []
         for name in asg.layer_rank:
             if name not in self._ready or self.rank not in asg.grad_workers(name):
