@@ -18,6 +18,8 @@ plain row-major upper triangle.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -44,6 +46,27 @@ def bands(n: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Band:
+    """Band ``[start, stop)`` of group `group`, and where its two parts lie in the buffer."""
+
+    group: int
+    start: int
+    stop: int
+    tri: slice  # the diagonal block's upper triangle, row-major
+    rect: slice  # the rectangle [start, stop) x [stop, n), row-major
+
+
+def _walk(n: int, groups: int) -> Iterator[_Band]:
+    per = packed_numel(n)
+    for g in range(groups):
+        for i, j, off in bands(n):
+            b = j - i
+            tri = off + g * per + b * (b + 1) // 2
+            yield _Band(group=g, start=i, stop=j, tri=slice(off + g * per, tri),
+                        rect=slice(tri, tri + b * (n - j)))  # fmt: skip
+
+
 @lru_cache(maxsize=64)
 def _triu_index(b: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of a b x b block's upper triangle (row-major) and of its mirror."""
@@ -61,60 +84,42 @@ def syrk(rows: torch.Tensor) -> torch.Tensor:
         [groups * n (n + 1) / 2], each group's triangle in the band layout.
     """
     groups, _, n = rows.shape
-    per = packed_numel(n)
-    out = rows.new_empty(groups * per)
-    for g in range(groups):
-        x = rows[g]
-        flat = out[g * per : (g + 1) * per]
-        for i, j, off in bands(n):
-            b = j - i
-            xi = x[:, i:j].t()
-            upper, _ = _triu_index(b, str(x.device))
-            tri = b * (b + 1) // 2
-            torch.index_select(torch.mm(xi, x[:, i:j]).view(-1), 0, upper,
-                               out=flat[off : off + tri])  # fmt: skip
-            if j < n:
-                torch.mm(xi, x[:, j:], out=flat[off + tri : off + tri + b * (n - j)].view(b, n - j))
+    out = rows.new_empty(groups * packed_numel(n))
+    for band in _walk(n, groups):
+        x, i, j = rows[band.group], band.start, band.stop
+        upper, _ = _triu_index(j - i, str(x.device))
+        xi = x[:, i:j].t()
+        torch.index_select(torch.mm(xi, x[:, i:j]).view(-1), 0, upper, out=out[band.tri])
+        if j < n:
+            torch.mm(xi, x[:, j:], out=out[band.rect].view(j - i, n - j))
     return out
 
 
 def pack(matrix: torch.Tensor) -> torch.Tensor:
     """Upper triangles of a [groups, n, n] matrix in the band layout (lower never read)."""
     groups, n, _ = matrix.shape
-    per = packed_numel(n)
-    out = matrix.new_empty(groups * per)
-    for g in range(groups):
-        m = matrix[g]
-        flat = out[g * per : (g + 1) * per]
-        for i, j, off in bands(n):
-            b = j - i
-            upper, _ = _triu_index(b, str(m.device))
-            tri = b * (b + 1) // 2
-            flat[off : off + tri] = m[i:j, i:j].reshape(-1).index_select(0, upper)
-            if j < n:
-                flat[off + tri : off + tri + b * (n - j)].view(b, n - j).copy_(m[i:j, j:])
+    out = matrix.new_empty(groups * packed_numel(n))
+    for band in _walk(n, groups):
+        m, i, j = matrix[band.group], band.start, band.stop
+        upper, _ = _triu_index(j - i, str(m.device))
+        out[band.tri] = m[i:j, i:j].reshape(-1).index_select(0, upper)
+        out[band.rect] = m[i:j, j:].reshape(-1)
     return out
 
 
 def unpack(flat: torch.Tensor, n: int, groups: int, *, mirror: bool = True) -> torch.Tensor:
     """Inverse of `pack`: [groups, n, n], symmetric with `mirror`, else zero below."""
-    per = packed_numel(n)
     out = flat.new_zeros(groups, n, n)
-    for g in range(groups):
-        src = flat[g * per : (g + 1) * per]
-        m = out[g]
-        for i, j, off in bands(n):
-            b = j - i
-            upper, lower = _triu_index(b, str(flat.device))
-            tri = b * (b + 1) // 2
-            block = flat.new_zeros(b * b)
-            block.index_copy_(0, upper, src[off : off + tri])
-            if mirror:
-                block.index_copy_(0, lower, src[off : off + tri])
-            m[i:j, i:j] = block.view(b, b)
-            if j < n:
-                rect = src[off + tri : off + tri + b * (n - j)].view(b, n - j)
-                m[i:j, j:] = rect
-                if mirror:
-                    m[j:, i:j] = rect.t()
+    for band in _walk(n, groups):
+        m, i, j = out[band.group], band.start, band.stop
+        upper, lower = _triu_index(j - i, str(flat.device))
+        block = flat.new_zeros((j - i) ** 2)
+        block.index_copy_(0, upper, flat[band.tri])
+        if mirror:
+            block.index_copy_(0, lower, flat[band.tri])
+        m[i:j, i:j] = block.view(j - i, j - i)
+        rect = flat[band.rect].view(j - i, n - j)
+        m[i:j, j:] = rect
+        if mirror:
+            m[j:, i:j] = rect.t()
     return out
