@@ -49,12 +49,12 @@ class KFACConfig:
         method: ``inverse`` (Cholesky) or ``eigen``.
         inverse_form: how the inverse method holds a factor: ``cholesky`` (triangular
             factor, solves), ``explicit`` (inverse, products) or ``auto`` (per factor, from
-            how often it is used against a start-up timing of both).
+            how often it is used before the next inversion).
         comm: factor communication: ``after-backward``, ``static`` or ``dynamic``.
         sync: ``eager`` (batch factors every update) or ``lazy`` (running averages, only
             when inverting; the same factors, fewer bytes).
-        packed: symmetric factors are computed and travel as upper triangles (and Cholesky
-            factors as triangles).
+        packed: symmetric factors are computed and travel as upper triangles, and so do
+            the inverse method's results.
         comm_dtype: factor wire dtype, None/"fp32", "fp16" or "bf16".
         bucket_cap_mb: static bucket threshold (MB).
         placement: ``round-robin``, ``greedy`` or ``lpt``.

@@ -75,7 +75,7 @@ from plait.trace import FACTOR, INVERSE, PRECONDITION, span
 EXPLICIT_PAYOFF = 0.7
 
 #: Layout of saved factors and decompositions. 2: factors packed in row bands
-#: (`plait.kfac.triangle`), the inverse method stored as Cholesky factors.
+#: (`plait.kfac.triangle`), the inverse method's factors as Cholesky factors or inverses.
 STATE_FORMAT = 2
 
 
