@@ -69,9 +69,12 @@ from plait.kfac.placement import (
 from plait.trace import FACTOR, INVERSE, PRECONDITION, span
 
 #: An explicit inverse of side n pays once ``uses * m >= EXPLICIT_PAYOFF * n`` (m: the partner
-#: side it is multiplied with). Measured on one core (`plait.bench.kfac_kernels`), the
-#: break-even ratio is 0.35 at n = m = 256, 0.7 for GPT's 384-1536 factors and 0.7-1.4
-#: for ResNet-18's 1152-4608 ones: 0.7 is right for the middle and close at the ends.
+#: side it is multiplied with). From the per-layer kernel tables on one core
+#: (benchmarks/kfac/kernels-*, A and G timed together), the break-even ratio is 0.4-0.8 for
+#: ResNet-18's layers up to 1152 wide, about 1 for the GPT's, and 1-2 for ResNet-18's
+#: 2304-4608 wide ones. 0.7 fits the narrow layers and leans to the explicit form for the
+#: widest: a 4608 factor reused 7 to 18 times gets the explicit form although the Cholesky
+#: one would be cheaper (by up to about 15% of the decompositions and solves).
 EXPLICIT_PAYOFF = 0.7
 
 #: Layout of saved factors and decompositions. 2: factors packed in row bands
