@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from plait.bench.report import git_commit, machine
 from plait.bench.workloads import get_workload
@@ -47,7 +48,8 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _layer_inputs(workload: str) -> list[tuple[KFACLayer, torch.Tensor]]:
-    """Every K-FAC layer of the workload's model with its input at the bench batch size."""
+    """Every K-FAC layer of the workload's model with its input at the bench batch size
+    (but embeddings: a diagonal A has no factor product, decomposition or solve to time)."""
     wl = get_workload(workload)
     data = wl.synthetic(wl.bench_batch)
     model = wl.model(data.info, bench=True)
@@ -117,10 +119,12 @@ def _layer_record(layer: KFACLayer, x: torch.Tensor, repeats: int) -> dict[str, 
     }
 
 
-def measure(*, workload: str, repeats: int = 5) -> list[dict[str, Any]]:
-    """One record per layer: seconds of each kernel pair."""
+def measure(*, workload: str, repeats: int = 5, progress: bool = True) -> list[dict[str, Any]]:
+    """One record per layer: seconds of each kernel pair (a progress bar over the layers)."""
     torch.set_num_threads(1)
-    return [_layer_record(layer, x, repeats) for layer, x in _layer_inputs(workload)]
+    layers = _layer_inputs(workload)
+    bar = tqdm(layers, desc=f"kernels {workload}", unit="layer", leave=False, disable=not progress)
+    return [_layer_record(layer, x, repeats) for layer, x in bar]
 
 
 _PAIRS = [
