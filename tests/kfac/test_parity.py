@@ -244,3 +244,39 @@ def test_lazy_sync_resumes_exactly() -> None:
     for straight, resumed in run_distributed(_lazy_resume, world_size=2, timeout_s=300):
         for a, b in zip(straight, resumed, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _placed(rank: int, world: int, local: str | None) -> dict[str, list[list[torch.Tensor]]]:
+    """One model trained under several placements (`local`: a layer forced local)."""
+    from plait.kfac import preconditioner
+    from plait.kfac.layers import FactorKind
+    from plait.kfac.placement import LOCAL, factor_key
+
+    if local is not None:
+        assign = preconditioner.assign
+
+        def forced(*args: Any, **kwargs: Any) -> Any:
+            asg = assign(*args, **kwargs)
+            asg.layer_rank[local] = LOCAL
+            for kind in FactorKind:
+                asg.inv_rank[factor_key(local, kind)] = LOCAL
+            return asg
+
+        preconditioner.assign = forced  # type: ignore[assignment]
+    out = {}
+    for dist in ("mem-opt", "comm-opt"):
+        spec = f"spd-kfac:{COMMON},distribution={dist},local_inversion=false"
+        out[dist] = _train(rank, world, spec, "cnn", dry=False)
+    return out
+
+
+def test_placement_never_changes_the_bits() -> None:
+    """Placement follows measured timings, so it must not change a single bit of training:
+    comm-opt or mem-opt, a layer inverted by its owner or locally, the same gradients
+    (the inverse form and the order of the KL clip's sum are fixed by the model alone)."""
+    owner = run_distributed(_placed, None, world_size=2, timeout_s=300)
+    local = run_distributed(_placed, "5", world_size=2, timeout_s=300)
+    runs = [r[d] for per_rank in (owner, local) for r in per_rank for d in r]
+    for other in runs[1:]:
+        for got, want in zip(other, runs[0], strict=True):
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -267,24 +267,22 @@ class KFAC:
     def _explicit(self, slot: Slot, step: int) -> bool:
         """Whether the inverse method keeps this factor as an explicit inverse.
 
-        AUTO weighs the cluster's work between two inversions: the Cholesky form saves an
-        explicit inversion (~n^3) on each worker that inverts the factor (one, or all of
-        them for a local factor) and costs slower solves (~n^2 m more, m the partner side)
-        on each worker that preconditions the layer, at every step until the next
-        inversion. The rule depends only on the model and the settings, never on timings,
-        so that every rank and every resumed run decides alike.
+        AUTO weighs one worker's work between two inversions: the Cholesky form saves an
+        explicit inversion (~n^3) and costs slower solves (~n^2 m more, m the partner side)
+        at every step until the next inversion. The two forms round differently, so the
+        rule reads the model and the settings only, never the placement: placement follows
+        measured timings, and a job must train to the same bits whatever it measured
+        (alone or co-located, first run or resumed). Per worker is exact where inverters
+        use what they invert (mem-opt, local factors); under comm-opt one inversion serves
+        several workers, and the rule then leans to the Cholesky form.
         """
         form = InverseForm(self.cfg.inverse_form)
         if form is not InverseForm.AUTO or Method(self.cfg.method) is not Method.INVERSE:
             return form is InverseForm.EXPLICIT
-        asg = self.assignment
-        assert asg is not None
-        users = len(asg.grad_workers(slot.layer))
-        inverters = users if asg.inv_rank[slot.key] == LOCAL else 1
         other = FactorKind.G if slot.kind is FactorKind.A else FactorKind.A
         partner = self.layers[slot.layer].shape(other).dim
-        uses = int(self._at("inv_interval", step)) * users
-        return uses * partner >= EXPLICIT_PAYOFF * slot.shape.dim * inverters
+        uses = int(self._at("inv_interval", step))
+        return uses * partner >= EXPLICIT_PAYOFF * slot.shape.dim
 
     def remove(self) -> None:
         """Detach the hooks (the model is left as it was)."""
@@ -590,6 +588,10 @@ class KFAC:
         for layer, buf, grad, fut in waits:
             fut.wait()
             pairs.append((layer, buf, grad))
+        # the model's layer order, whichever arrived first: the KL clip sums over layers, and
+        # its rounding must not depend on which layers were local (a timing-based choice)
+        order = {name: i for i, name in enumerate(self.layers)}
+        pairs.sort(key=lambda pair: order[pair[0].name])
         self._write(pairs, step)
 
     def _write(self, pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]], step: int) -> None:

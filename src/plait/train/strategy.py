@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -138,6 +139,7 @@ class Strategy(ABC):
 StrategyFactory = Callable[..., Strategy]
 _REGISTRY: dict[str, StrategyFactory] = {}
 _PLUGINS_LOADED: list[bool] = []
+_PLUGINS_LOCK = threading.RLock()  # threads wait for the first import; its own recursion not
 
 
 def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]:
@@ -153,16 +155,17 @@ def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]
 
 
 def _load_plugins() -> None:
-    if _PLUGINS_LOADED:
-        return
-    _PLUGINS_LOADED.append(True)
-    for mod in _PLUGINS:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            # the plugin (or its package) is not installed; a missing dependency is an error
-            if exc.name is None or not (mod == exc.name or mod.startswith(exc.name + ".")):
-                raise
+    with _PLUGINS_LOCK:
+        if _PLUGINS_LOADED:
+            return
+        _PLUGINS_LOADED.append(True)
+        for mod in _PLUGINS:
+            try:
+                importlib.import_module(mod)
+            except ModuleNotFoundError as exc:
+                # the plugin (or its package) is not installed; a missing dependency is an error
+                if exc.name is None or not (mod == exc.name or mod.startswith(exc.name + ".")):
+                    raise
 
 
 def available_strategies() -> list[str]:
