@@ -115,3 +115,20 @@ def test_balanced_steps_give_every_job_the_slowest_ones_duration() -> None:
     assert balanced_steps(12, [0.5, 0.5]) == [12, 12]
     with pytest.raises(ValueError, match="positive"):
         balanced_steps(12, [1.0, 0.0])
+
+
+def test_report_gives_the_cpu_busy_share_of_each_window() -> None:
+    from plait.crossover.report import markdown
+
+    def mode(speedup: float, busy: float | None) -> dict[str, object]:
+        return {"speedup_vs_sequential": speedup, "slowdown_vs_alone": [1.5, 1.5],
+                "fairness": 1.0, "cpu_busy": busy}  # fmt: skip
+
+    rec = {
+        "jobs": ["job0:a/ssgd", "job1:b/ssgd"], "bandwidth": "balanced", "rate": "1gbit",
+        "alone_step_s": [1.0, 1.0], "ideal_speedup": 2.0, "alone_cpu_busy": [0.61, None],
+        "modes": {"uncoordinated": mode(1.2, 0.874), "crossover": mode(1.5, 0.9)},
+    }  # fmt: skip
+    row = markdown([rec]).splitlines()[2]
+    assert row.endswith("| 61%, - / 87% / 90% |")
+    assert row.count("|") == markdown([rec]).splitlines()[0].count("|")

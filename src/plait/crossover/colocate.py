@@ -29,6 +29,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from plait.bench.cpu import CpuSampler
 from plait.bench.workloads import get_workload
 from plait.cluster import Cluster, LaunchResult, launch
 from plait.crossover.report import plot_interleaving
@@ -191,12 +192,10 @@ def merge_traces(parts: list[tuple[str, Path]], out: Path) -> Path:
     return out
 
 
-def window_rates(runs: list[JobRun], *, warmup: int) -> tuple[list[float], float]:
-    """Steps per second of each job inside the common window, and the window's length.
-
-    The window opens when the last job finishes its warm-up and closes when the first job
-    finishes; a job's rate counts its steps that end inside the window.
-    """
+def common_window(runs: list[JobRun], *, warmup: int) -> tuple[float, float]:
+    """(start, end) unix times of the window where every job is past warm-up and none
+    has finished: it opens when the last job finishes its warm-up and closes when the
+    first job finishes."""
     usable = [r.step_end_unix for r in runs]
     if any(len(t) <= warmup + 1 for t in usable):
         raise ValueError("every job needs more steps than its warm-up to measure a rate")
@@ -204,9 +203,16 @@ def window_rates(runs: list[JobRun], *, warmup: int) -> tuple[list[float], float
     end = min(t[-1] for t in usable)
     if end <= start:
         raise ValueError("the jobs did not overlap after warm-up: give them more steps")
+    return start, end
+
+
+def window_rates(runs: list[JobRun], *, warmup: int) -> tuple[list[float], float]:
+    """Steps per second of each job inside the `common_window`, and the window's length;
+    a job's rate counts its steps that end inside the window."""
+    start, end = common_window(runs, warmup=warmup)
     rates = []
-    for t in usable:
-        inside = [x for x in t if start < x <= end]
+    for r in runs:
+        inside = [x for x in r.step_end_unix if start < x <= end]
         rates.append(len(inside) / (end - start))
     return rates, end - start
 
@@ -232,6 +238,7 @@ class Comparison:
     alone_step_s: list[float]
     compute_s: list[float]
     co_located_steps: list[int] = field(default_factory=list)
+    alone_cpu_busy: list[float | None] = field(default_factory=list)
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def ideal_speedup(self) -> float:
@@ -298,16 +305,24 @@ def compare(
 
     def run(
         batch: list[Job], mode: Mode, n: int | list[int], gate: str, tr: Path | None = None
-    ) -> list[JobRun]:
-        return _run_jobs(
-            cluster, batch, mode=mode, steps=n, group=gate, trace=tr, work=work,
-            nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s,
-        )  # fmt: skip
+    ) -> tuple[list[JobRun], float | None]:
+        """The runs, and the host's CPU busy fraction inside their common window."""
+        with CpuSampler() as cpu:
+            runs = _run_jobs(
+                cluster, batch, mode=mode, steps=n, group=gate, trace=tr, work=work,
+                nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s,
+            )  # fmt: skip
+        for r in runs:
+            _check(r)
+        return runs, cpu.busy(*common_window(runs, warmup=warmup))
 
     co_steps: list[int] = []
     alone_rates: list[list[float]] = [[] for _ in jobs]
+    alone_busy: list[list[float]] = [[] for _ in jobs]
     computes: list[list[float]] = [[] for _ in jobs]
-    co: dict[Mode, list[tuple[list[float], float, list[Any]]]] = {m: [] for m in modes}
+    co: dict[Mode, list[tuple[list[float], float, list[Any], float | None]]] = {
+        m: [] for m in modes
+    }
     total = repeats * (len(jobs) + len(modes))
     done = 0
     for rep in range(repeats):
@@ -316,9 +331,10 @@ def compare(
                 done += 1
                 print(f"  [{done}/{total}] {job.name} alone", flush=True)
             # alone but gated: the token is never contended, its hold time is the compute
-            (solo,) = run([job], Mode.CROSSOVER, steps, f"{group}-solo{i}")
-            _check(solo)
+            (solo,), busy = run([job], Mode.CROSSOVER, steps, f"{group}-solo{i}")
             alone_rates[i].append(alone_rate(solo, warmup=warmup))
+            if busy is not None:
+                alone_busy[i].append(busy)
             if solo.token:
                 computes[i].append(solo.token["hold_s"] / max(1, solo.token["acquisitions"]))
         if not co_steps:  # a fast job runs more steps, so all overlap past warm-up
@@ -330,11 +346,9 @@ def compare(
             mode_trace = None
             if trace is not None and rep == 0:
                 mode_trace = trace.with_name(f"{trace.stem}-{mode}.json")
-            runs = run(jobs, mode, co_steps, group, mode_trace)
-            for r in runs:
-                _check(r)
+            runs, busy = run(jobs, mode, co_steps, group, mode_trace)
             rates, window = window_rates(runs, warmup=warmup)
-            co[mode].append((rates, window, [r.token for r in runs]))
+            co[mode].append((rates, window, [r.token for r in runs], busy))
     rates = [statistics.median(r) for r in alone_rates]
     comp = Comparison(
         jobs=[j.name for j in jobs],
@@ -347,13 +361,15 @@ def compare(
         alone_step_s=[1 / r for r in rates],
         compute_s=[statistics.median(c) if c else 0.0 for c in computes],
         co_located_steps=co_steps,
+        alone_cpu_busy=[statistics.median(b) if b else None for b in alone_busy],
     )
     for mode, reps in co.items():
         # per repeat, normalise by the same repeat's alone rates, then take medians
         norms = [
             [c / alone_rates[i][k] for i, c in enumerate(rates_k)]
-            for k, (rates_k, _, _) in enumerate(reps)
+            for k, (rates_k, _, _, _) in enumerate(reps)
         ]
+        busy_runs = [r[3] for r in reps if r[3] is not None]
         speedups = [sum(n) for n in norms]
         norm = [statistics.median(n[i] for n in norms) for i in range(len(jobs))]
         comp.modes[mode.value] = {
@@ -365,6 +381,7 @@ def compare(
             "window_s": statistics.median(r[1] for r in reps),
             "token": reps[-1][2],
             "fairness": jain_index(norm),
+            "cpu_busy": statistics.median(busy_runs) if busy_runs else None,
         }
     return comp
 

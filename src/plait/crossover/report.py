@@ -12,8 +12,9 @@ from plait.bench.report import git_commit, machine, pyplot, save_figure
 def markdown(records: list[dict[str, Any]]) -> str:
     head = (
         "| jobs | bandwidth (rate) | alone step s | uncoordinated x seq | crossover x seq | "
-        "crossover x uncoord | ideal x seq | crossover slowdown per job | fairness |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "crossover x uncoord | ideal x seq | crossover slowdown per job | fairness | "
+        "CPU busy: alone / uncoord / crossover |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in records:
@@ -24,9 +25,22 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"| {' + '.join(j.split(':', 1)[1] for j in r['jobs'])} | {r['bandwidth']} "
             f"({r['rate'] or 'unshaped'}) | {', '.join(f'{s:.2f}' for s in r['alone_step_s'])} | "
             f"{un_s} | {xo['speedup_vs_sequential']:.2f} | {vs} | {r['ideal_speedup']:.2f} | "
-            f"{', '.join(f'{s:.2f}x' for s in xo['slowdown_vs_alone'])} | {xo['fairness']:.2f} |"
+            f"{', '.join(f'{s:.2f}x' for s in xo['slowdown_vs_alone'])} | {xo['fairness']:.2f} | "
+            f"{_busy(r)} |"
         )
     return head + "\n".join(rows) + "\n"
+
+
+def _busy(record: dict[str, Any]) -> str:
+    """Host CPU busy fractions inside each measuring window ('-' where not sampled)."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    alone = ", ".join(pct(b) for b in record.get("alone_cpu_busy", [])) or "-"
+    modes = record["modes"]
+    un = pct(modes["uncoordinated"].get("cpu_busy")) if "uncoordinated" in modes else "-"
+    return f"{alone} / {un} / {pct(modes['crossover'].get('cpu_busy'))}"
 
 
 def write(records: list[dict[str, Any]], out: Path, *, command: str) -> dict[str, Path]:
