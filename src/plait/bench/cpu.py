@@ -13,7 +13,6 @@ import bisect
 import threading
 import time
 from pathlib import Path
-from types import TracebackType
 
 _STAT = Path("/proc/stat")
 
@@ -64,12 +63,7 @@ class CpuSampler:
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

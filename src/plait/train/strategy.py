@@ -139,7 +139,7 @@ class Strategy(ABC):
 StrategyFactory = Callable[..., Strategy]
 _REGISTRY: dict[str, StrategyFactory] = {}
 _PLUGINS_LOADED: list[bool] = []
-_PLUGINS_LOCK = threading.RLock()  # threads wait for the first import; its own recursion not
+_PLUGINS_LOCK = threading.RLock()  # others wait for the first import; the importer may re-enter
 
 
 def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]:
