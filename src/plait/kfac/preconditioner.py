@@ -552,12 +552,14 @@ class KFAC:
         asg = self.assignment
         if asg is None:
             return
-        pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]] = []
-        waits: list[tuple[KFACLayer, torch.Tensor, torch.Tensor, Any]] = []
-        for name in asg.layer_rank:
-            if name not in self._ready:
+        # In the model's layer order, on every rank: the broadcasts are issued alike, and the
+        # KL clip sums over layers in an order that no timing-based placement can change.
+        # Each entry: the layer, its preconditioned gradient (or the buffer a broadcast
+        # fills), the raw gradient, and the broadcast to wait for (None: computed here).
+        entries: list[tuple[KFACLayer, torch.Tensor, torch.Tensor, Any]] = []
+        for name, layer in self.layers.items():
+            if name not in asg.layer_rank or name not in self._ready:
                 continue
-            layer = self.layers[name]
             grad = layer.grad_matrix()
             if grad is None:
                 continue
@@ -570,29 +572,25 @@ class KFAC:
                     p = precondition(grad, a, g).contiguous()
             if len(workers) == self.world:
                 assert p is not None
-                pairs.append((layer, p, grad))
+                entries.append((layer, p, grad, None))
                 continue
             src = asg.grad_source(name, self.rank)
             receivers = asg.receivers_of(src)
             if len(receivers) == 1:
                 assert p is not None
-                pairs.append((layer, p, grad))
+                entries.append((layer, p, grad, None))
                 continue
             buf = p if p is not None else torch.empty(grad.shape, dtype=grad.dtype)
             fut = ops.broadcast(buf, src=self._global(src), group=self._group(receivers),
                                 name=f"gradient {name}")  # fmt: skip
-            waits.append((layer, buf, grad, fut))
+            entries.append((layer, buf, grad, fut))
         for fut in self._inflight:
             fut.wait()
         self._inflight.clear()
-        for layer, buf, grad, fut in waits:
-            fut.wait()
-            pairs.append((layer, buf, grad))
-        # the model's layer order, whichever arrived first: the KL clip sums over layers, and
-        # its rounding must not depend on which layers were local (a timing-based choice)
-        order = {name: i for i, name in enumerate(self.layers)}
-        pairs.sort(key=lambda pair: order[pair[0].name])
-        self._write(pairs, step)
+        for *_, fut in entries:
+            if fut is not None:
+                fut.wait()
+        self._write([(layer, p, grad) for layer, p, grad, _ in entries], step)
 
     def _write(self, pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]], step: int) -> None:
         if not pairs:
