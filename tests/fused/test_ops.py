@@ -288,3 +288,19 @@ def test_input_shared_by_all_models(factory: object, shape: tuple[int, ...]) -> 
         assert rel_err(out[b], ref) <= RTOL
         for name, p in m.named_parameters():
             assert rel_err(array.get_parameter(name).grad[b], p.grad) <= RTOL
+
+
+@pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool2d(1), nn.MaxPool2d(2)])
+def test_pooling_hands_back_channels_last_gradients(pool: nn.Module) -> None:
+    # fused convolutions run channels-last; a pooling backward that answers in the
+    # contiguous layout would put the element-wise backward before it on torch's slow
+    # mixed-layout loops, so the gradient must come back in the input's layout
+    base = torch.randn(4, 3 * 2, 4, 4).contiguous(memory_format=torch.channels_last)
+    base.requires_grad_()
+    x = base.unflatten(1, (3, -1)).transpose(0, 1)  # [B=3, N=4, C=2, 4, 4] view
+    array = plait.fuse(build(lambda: nn.Sequential(pool), 3))
+    out = array(x)
+    (grad,) = torch.autograd.grad(out, base, torch.randn_like(out))
+    assert grad.is_contiguous(memory_format=torch.channels_last)
+    for b in range(3):  # the stock layer's values (a 16-term mean may sum in another order)
+        assert rel_err(out[b], pool(x[b].detach())) <= RTOL
