@@ -248,7 +248,9 @@ def _add_bench_fused_parser(sub: Any) -> None:
     f.add_argument("--steps", type=int, default=5, help="timed steps per round")
     f.add_argument("--rounds", type=int, default=9, help="interleaved rounds per strategy")
     f.add_argument("--warmup", type=int, default=3, help="untimed steps before the rounds")
-    f.add_argument("--threads", type=int, default=1, help="intra-op threads of every process")
+    f.add_argument("--threads", type=_ints, default=(1,),
+                   help="intra-op thread counts of every process, e.g. 1,2: every strategy "
+                        "runs at each")  # fmt: skip
     f.add_argument("--batch-size", type=int, default=None, help="per-model batch size")
     f.add_argument("--device", default="cpu", help="cpu or cuda")
     f.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")

@@ -26,11 +26,33 @@ def test_every_strategy_measures_and_reports(tmp_path: Path) -> None:
     assert paths["png"].stat().st_size > 0
 
 
+def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> None:
+    from plait.fused.bench.report import markdown_table
+
+    cfg = BenchConfig(models=("mlp",), sizes=(2,), strategies=(Strategy.FUSED, Strategy.SERIAL),
+                      steps=1, rounds=2, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
+    records = run_bench_fused(cfg)
+    assert sorted((r["strategy"], r["threads"]) for r in records) == [
+        ("fused", 1), ("fused", 2), ("serial", 1), ("serial", 2)
+    ]
+    for r in records:  # speed-ups compare thread for thread
+        serial = next(s for s in records if s["strategy"] == "serial" and s["threads"] == r["threads"])
+        assert r["speedup_vs_serial"] == pytest.approx(serial["iter_time_s"] / r["iter_time_s"])
+    table = markdown_table(records)
+    best = {s: min((r for r in records if r["strategy"] == s), key=lambda r: r["iter_time_s"])
+            for s in ("fused", "serial")}  # fmt: skip
+    row = table.split("fastest thread count")[1].splitlines()[4]
+    ratio = best["serial"]["iter_time_s"] / best["fused"]["iter_time_s"]
+    assert f"@ {best['fused']['threads']}" in row and f"{ratio:.2f}x" in row
+
+
 def test_bad_configuration() -> None:
     with pytest.raises(ValueError, match="unknown benchmark model 'alexnet'"):
         BenchConfig(models=("alexnet",))
     with pytest.raises(ValueError):
         BenchConfig(sizes=(0,))
+    with pytest.raises(ValueError, match="thread counts must be >= 1"):
+        BenchConfig(threads=(1, 0))
 
 
 def test_malloc_tuning_reports_whether_it_applied() -> None:

@@ -10,36 +10,61 @@ from typing import Any
 from plait.bench.report import pyplot, save_figure, stamp
 
 
-def _by(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+def _by(
+    records: Sequence[dict[str, Any]],
+) -> dict[tuple[str, int, int], dict[str, dict[str, Any]]]:
+    out: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault((r["workload"], r["n"], r["threads"]), {})[r["strategy"]] = r
+    return out
+
+
+def _best(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    """Per model and N, each strategy's record at its fastest thread count."""
     out: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in records:
-        out.setdefault((r["workload"], r["n"]), {})[r["strategy"]] = r
+        slot = out.setdefault((r["workload"], r["n"]), {})
+        old = slot.get(r["strategy"])
+        if old is None or r["iter_time_s"] < old["iter_time_s"]:
+            slot[r["strategy"]] = r
     return out
+
+
+def _ratio(recs: dict[str, dict[str, Any]], other: str) -> str:
+    fused = recs.get("fused")
+    if fused is None or other not in recs:
+        return "-"
+    wall = recs[other]["iter_time_s"] / fused["iter_time_s"]
+    cpu = recs[other]["cpu_time_s"] / fused["cpu_time_s"]
+    return f"{wall:.2f}x [{cpu:.2f}x]"
 
 
 def markdown_table(records: Sequence[dict[str, Any]]) -> str:
     """Wall-clock throughput (samples/s) per strategy and the fused array's speed-ups
-    (wall clock, and CPU time in brackets), per model and N."""
+    (wall clock, and CPU time in brackets), per model, N and thread count; with several
+    thread counts, a second table compares every strategy at its own fastest count."""
     strategies = list(dict.fromkeys(r["strategy"] for r in records))
     others = [s for s in ("serial", "vmap", "concurrent") if s in strategies]
-    head = ("| model | N | " + " | ".join(f"{s} samples/s" for s in strategies) + " | "
-            + " | ".join(f"fused vs {s} wall [CPU]" for s in others) + " |\n")  # fmt: skip
-    head += "|---" * (len(strategies) + len(others) + 2) + "|\n"
+    ratios = " | ".join(f"fused vs {s} wall [CPU]" for s in others)
+    head = ("| model | N | threads | " + " | ".join(f"{s} samples/s" for s in strategies)
+            + f" | {ratios} |\n" + "|---" * (len(strategies) + len(others) + 3) + "|\n")  # fmt: skip
     rows = []
-    for (model, n), recs in _by(records).items():
+    for (model, n, threads), recs in _by(records).items():
         cells = [f"{recs[s]['throughput']:.0f}" if s in recs else "-" for s in strategies]
-        fused = recs.get("fused")
-
-        def ratio(other: str, recs: dict[str, dict[str, Any]] = recs, fused: Any = fused) -> str:
-            if fused is None or other not in recs:
-                return "-"
-            wall = recs[other]["iter_time_s"] / fused["iter_time_s"]
-            cpu = recs[other]["cpu_time_s"] / fused["cpu_time_s"]
-            return f"{wall:.2f}x [{cpu:.2f}x]"
-
-        rows.append(f"| {model} | {n} | " + " | ".join(cells) + " | "
-                    + " | ".join(ratio(s) for s in others) + " |")  # fmt: skip
-    return head + "\n".join(rows) + "\n"
+        rows.append(f"| {model} | {n} | {threads} | " + " | ".join(cells) + " | "
+                    + " | ".join(_ratio(recs, s) for s in others) + " |")  # fmt: skip
+    md = head + "\n".join(rows) + "\n"
+    if len({r["threads"] for r in records}) < 2:
+        return md
+    md += ("\nEach strategy at its fastest thread count (samples/s @ threads):\n\n"
+           "| model | N | " + " | ".join(strategies) + f" | {ratios} |\n"
+           + "|---" * (len(strategies) + len(others) + 2) + "|\n")  # fmt: skip
+    for (model, n), recs in _best(records).items():
+        cells = [f"{recs[s]['throughput']:.0f} @ {recs[s]['threads']}" if s in recs else "-"
+                 for s in strategies]  # fmt: skip
+        md += (f"| {model} | {n} | " + " | ".join(cells) + " | "
+               + " | ".join(_ratio(recs, s) for s in others) + " |\n")  # fmt: skip
+    return md
 
 
 def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -55,14 +80,16 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
             [("throughput", "samples / s (wall clock)"), ("cpu_throughput", "samples / CPU s")]
         ):
             ax = axes[row][col]
-            for s in dict.fromkeys(r["strategy"] for r in recs):
-                pts = sorted((r["n"], r[key]) for r in recs if r["strategy"] == s)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=s)
+            for s, t in dict.fromkeys((r["strategy"], r["threads"]) for r in recs):
+                pts = sorted((r["n"], r[key]) for r in recs
+                             if r["strategy"] == s and r["threads"] == t)  # fmt: skip
+                style = "o-" if t == recs[0]["threads"] else "s--"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{s} ({t}t)")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("models N")
             ax.set_ylabel(label)
-            ax.set_title(f"{model} ({recs[0]['threads']} thread/process)")
+            ax.set_title(model)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     return save_figure(fig, path)
@@ -85,7 +112,7 @@ def write_reports(records: list[dict[str, Any]], out: Path) -> dict[str, Path]:
         mach = first["machine"]
         md += (f"\ncommit {first['commit']}, torch {first['torch']}, {mach['cpus']} CPUs "
                f"({mach['processor']}), device {first['device']}, "
-               f"{first['threads']} intra-op thread(s) per process, glibc malloc thresholds "
+               f"intra-op threads per process as in the tables, glibc malloc thresholds "
                f"{'raised' if first.get('malloc_tuned') else 'default'}\n")  # fmt: skip
     paths["markdown"].write_text(md)
     if records:

@@ -6,8 +6,12 @@ rounds that alternate between strategies, each round starting with the next one
 them alike. A round trains every one of the N models `steps` steps; a step's time is the
 round's time over `steps`, and throughput is N x batch / step time. Both the wall time
 and the CPU time (all processes of a strategy) are recorded: on a machine shared with
-other jobs the CPU time measures the work itself. Every process uses the same number of
-intra-op threads.
+other jobs the CPU time measures the work itself.
+
+Every strategy runs at each of the configured intra-op thread counts (each pair is one
+contestant of the interleaved rounds), so a report can compare strategies thread for
+thread and also each at its own best count: on a 2-core CPU one model's small kernels
+run slower on two threads than on one, while a fused array's large kernels use both.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ class BenchConfig:
         sizes: array sizes N.
         strategies: strategies to compare.
         steps: timed steps per round; rounds: rounds per strategy; warmup: untimed steps.
-        threads: intra-op threads of every process (in-process strategies and each
-            concurrent worker alike).
+        threads: intra-op thread counts to measure every strategy at (in-process
+            strategies and each concurrent worker alike).
         batch_size: per-model batch (default: the model's).
         device: cpu or cuda.
         tune_malloc: raise glibc's malloc thresholds in every process of every strategy
@@ -47,7 +51,7 @@ class BenchConfig:
     steps: int = 5
     rounds: int = 9
     warmup: int = 3
-    threads: int = 1
+    threads: Sequence[int] = (1,)
     batch_size: int | None = None
     device: str = "cpu"
     tune_malloc: bool = True
@@ -57,14 +61,13 @@ class BenchConfig:
             get_model(m)
         if min(self.sizes, default=0) < 1 or self.steps < 1 or self.rounds < 1:
             raise ValueError("sizes, steps and rounds must be >= 1")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.threads or min(self.threads) < 1:
+            raise ValueError(f"thread counts must be >= 1, got {tuple(self.threads)}")
 
 
 def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
     """One record per (model, N, strategy), with the median step time and throughput."""
     before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
     tuned = cfg.tune_malloc and tune_malloc()
     records: list[dict[str, object]] = []
     try:
@@ -77,16 +80,15 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
             for n in cfg.sizes:
                 bar.set_postfix_str(f"{name} N={n}")
                 times, cpus = _measure(cfg, name, n, batch)
-                serial = (
-                    statistics.median(times[Strategy.SERIAL]) if Strategy.SERIAL in times else None
-                )
-                for strategy, ts in times.items():
+                for (strategy, threads), ts in times.items():
                     step = statistics.median(ts)
-                    cpu = statistics.median(cpus[strategy])
+                    cpu = statistics.median(cpus[strategy, threads])
+                    base = times.get((Strategy.SERIAL, threads))
+                    serial = None if base is None else statistics.median(base)
                     records.append({
                         "workload": name, "model": model.description, "strategy": str(strategy),
                         "n": n, "bandwidth": f"n{n}", "batch_size": batch, "params": params,
-                        "threads": cfg.threads, "device": cfg.device,
+                        "threads": threads, "device": cfg.device,
                         "iter_time_s": step, "iter_time_min_s": min(ts), "iter_time_max_s": max(ts),
                         "throughput": n * batch / step, "cpu_time_s": cpu,
                         "cpu_throughput": n * batch / cpu,
@@ -100,24 +102,32 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
     return records
 
 
+Contestant = tuple[Strategy, int]  # a strategy at an intra-op thread count
+
+
 def _measure(
     cfg: BenchConfig, name: str, n: int, batch: int
-) -> tuple[dict[Strategy, list[float]], dict[Strategy, list[float]]]:
+) -> tuple[dict[Contestant, list[float]], dict[Contestant, list[float]]]:
     model = get_model(name)
-    runners: dict[Strategy, Runner] = {}
+    runners: dict[Contestant, Runner] = {}
     try:
-        for s in cfg.strategies:
-            runners[s] = make_runner(s, model, n, batch=batch, threads=cfg.threads,
-                                     device=cfg.device, tune=cfg.tune_malloc)  # fmt: skip
-            runners[s].run(cfg.warmup)
-        times: dict[Strategy, list[float]] = {s: [] for s in runners}
-        cpus: dict[Strategy, list[float]] = {s: [] for s in runners}
+        for threads in cfg.threads:
+            for s in cfg.strategies:
+                torch.set_num_threads(threads)
+                runners[s, threads] = r = make_runner(
+                    s, model, n, batch=batch, threads=threads, device=cfg.device,
+                    tune=cfg.tune_malloc,
+                )  # fmt: skip
+                r.run(cfg.warmup)
+        times: dict[Contestant, list[float]] = {c: [] for c in runners}
+        cpus: dict[Contestant, list[float]] = {c: [] for c in runners}
         order = list(runners)
         for i in range(cfg.rounds):
-            for s in order[i % len(order) :] + order[: i % len(order)]:
-                wall, cpu = runners[s].run(cfg.steps)
-                times[s].append(wall / cfg.steps)
-                cpus[s].append(cpu / cfg.steps)
+            for c in order[i % len(order) :] + order[: i % len(order)]:
+                torch.set_num_threads(c[1])  # in-process strategies; workers keep their own
+                wall, cpu = runners[c].run(cfg.steps)
+                times[c].append(wall / cfg.steps)
+                cpus[c].append(cpu / cfg.steps)
         return times, cpus
     finally:
         for r in runners.values():
