@@ -10,7 +10,7 @@ from torch import nn
 
 import plait
 from plait.fused.ops import ELEMENTWISE, FusedDropout
-from plait.fused.ops.attention import attention
+from plait.fused.ops.attention import attention, packed_attention
 from tests.fused.helpers import RTOL, build, rel_err, train_both
 
 
@@ -194,6 +194,25 @@ def test_attention_with_masks_and_cross_inputs() -> None:
         assert rel_err(out[i], m(q[i], kv[i])) <= RTOL
 
 
+class PaddedSelfAttention(nn.Module):
+    """Self-attention with a padding mask and a float mask: the packed kernel's masked path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        last = torch.arange(t) == t - 1  # the last token is padding
+        pad = torch.zeros(t).masked_fill(last, float("-inf")).expand(x.shape[0], t)
+        bias = torch.linspace(-1.0, 1.0, t * t).view(t, t)
+        return self.attn(x, x, x, key_padding_mask=pad, attn_mask=bias, need_weights=False)[0]
+
+
+def test_masked_self_attention() -> None:
+    assert train_both(PaddedSelfAttention, feats(5, 8)) <= RTOL
+
+
 @pytest.mark.parametrize("length", [6, 40])  # the batched-matmul kernel, then torch's
 @pytest.mark.parametrize("masked", [False, True])
 def test_attention_kernels_match_torch(length: int, masked: bool) -> None:
@@ -209,6 +228,24 @@ def test_attention_kernels_match_torch(length: int, masked: bool) -> None:
     assert rel_err(ours, ref) <= 1e-10
     for a, b in zip(grads, ref_grads, strict=True):
         assert rel_err(a, b) <= 1e-10
+
+
+@pytest.mark.parametrize("mask_heads", [None, 1, 3])  # no mask, shared by heads, per head
+def test_packed_attention_matches_torch(mask_heads: int | None) -> None:
+    torch.manual_seed(0)
+    batch, t, heads, d = 4, 5, 3, 2
+    qkv = torch.randn(batch, t, 3 * heads * d, dtype=torch.float64, requires_grad=True)
+    mask = None if mask_heads is None else torch.randn(batch, mask_heads, t, t, dtype=qkv.dtype)
+    ours = packed_attention(qkv, heads=heads, mask=mask)
+    q, k, v = (x.unflatten(-1, (heads, d)).transpose(1, 2) for x in qkv.chunk(3, dim=-1))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+    ref = ref.transpose(1, 2).flatten(2)
+    g = torch.randn_like(ref)
+    (grad,) = torch.autograd.grad(ours, qkv, g)
+    (ref_grad,) = torch.autograd.grad(ref, qkv, g)
+    # float64: both kernels compute the same sums in different orders.
+    assert rel_err(ours, ref) <= 1e-10
+    assert rel_err(grad, ref_grad) <= 1e-10
 
 
 @pytest.mark.parametrize("norm_first", [True, False])

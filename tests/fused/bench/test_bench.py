@@ -33,10 +33,15 @@ def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> Non
                       steps=1, rounds=2, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
     records = run_bench_fused(cfg)
     assert sorted((r["strategy"], r["threads"]) for r in records) == [
-        ("fused", 1), ("fused", 2), ("serial", 1), ("serial", 2)
+        ("fused", 1),
+        ("fused", 2),
+        ("serial", 1),
+        ("serial", 2),
     ]
     for r in records:  # speed-ups compare thread for thread
-        serial = next(s for s in records if s["strategy"] == "serial" and s["threads"] == r["threads"])
+        serial = next(
+            s for s in records if s["strategy"] == "serial" and s["threads"] == r["threads"]
+        )
         assert r["speedup_vs_serial"] == pytest.approx(serial["iter_time_s"] / r["iter_time_s"])
     table = markdown_table(records)
     best = {s: min((r for r in records if r["strategy"] == s), key=lambda r: r["iter_time_s"])

@@ -46,8 +46,9 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
     strategies = list(dict.fromkeys(r["strategy"] for r in records))
     others = [s for s in ("serial", "vmap", "concurrent") if s in strategies]
     ratios = " | ".join(f"fused vs {s} wall [CPU]" for s in others)
+    rule = "|---" * (len(strategies) + len(others) + 3) + "|\n"
     head = ("| model | N | threads | " + " | ".join(f"{s} samples/s" for s in strategies)
-            + f" | {ratios} |\n" + "|---" * (len(strategies) + len(others) + 3) + "|\n")  # fmt: skip
+            + f" | {ratios} |\n" + rule)  # fmt: skip
     rows = []
     for (model, n, threads), recs in _by(records).items():
         cells = [f"{recs[s]['throughput']:.0f}" if s in recs else "-" for s in strategies]

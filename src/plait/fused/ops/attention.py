@@ -64,6 +64,80 @@ class SmallAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class PackedSmallAttention(torch.autograd.Function):
+    """`SmallAttention` reading q, k and v straight from the packed [batch, T, 3E] input
+    projection and writing the heads side by side as [batch, T, E].
+
+    Each head is a strided slice of the projection, which batched matmuls read in place,
+    so splitting heads copies nothing; forward concatenates the H head outputs once, and
+    backward assembles dq, dk and dv of all heads with one concatenation. The generic
+    path copies q, k, v and the output in forward and seven such slabs in backward,
+    which on a narrow Transformer costs more than the attention's matmuls.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        qkv: torch.Tensor,
+        heads: int,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        e = qkv.shape[-1] // 3
+        d = e // heads
+        probs, outs = [], []
+        for j in range(heads):
+            q, k, v = (qkv[..., i * e + j * d : i * e + (j + 1) * d] for i in range(3))
+            s = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+            if mask is not None:
+                s.add_(mask[:, j])
+            p = torch.softmax(s, dim=-1)
+            probs.append(p)
+            outs.append(torch.bmm(p, v))
+        ctx.save_for_backward(qkv, *probs)
+        ctx.scale, ctx.heads = scale, heads
+        return torch.cat(outs, dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qkv, *probs = ctx.saved_tensors
+        e = qkv.shape[-1] // 3
+        d = e // ctx.heads
+        dq, dk, dv = [], [], []
+        for j, p in enumerate(probs):
+            q, k, v = (qkv[..., i * e + j * d : i * e + (j + 1) * d] for i in range(3))
+            g = grad[..., j * d : (j + 1) * d]
+            dv.append(torch.bmm(p.transpose(1, 2), g))
+            dp = torch.bmm(g, v.transpose(1, 2))
+            ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(ctx.scale)
+            dq.append(torch.bmm(ds, k))
+            dk.append(torch.bmm(ds.transpose(1, 2), q))
+        return torch.cat(dq + dk + dv, dim=-1), None, None, None
+
+
+def small_attention_applies(
+    t: int, s: int, dtype: torch.dtype, *, dropout_p: float, is_causal: bool
+) -> bool:
+    """Whether `SmallAttention` (or its packed form) serves a [T, S] attention block."""
+    small = t * s <= SMALL_ATTENTION_MAX_BLOCK and dtype in (torch.float32, torch.float64)
+    return small and dropout_p == 0.0 and not is_causal
+
+
+def packed_attention(qkv: torch.Tensor, *, heads: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Self-attention over a packed [batch, T, 3E] projection (q, k, v in turn, each H
+    heads of E/H) -> [batch, T, E]; `mask` is additive, [batch, H, T, T] or broadcastable
+    to it. Only for blocks `small_attention_applies` to."""
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads):
+        raise AssertionError(f"packed attention needs [batch, T, 3E] with E % heads == 0, got "
+                             f"{tuple(qkv.shape)} and {heads} heads")  # fmt: skip
+    if mask is not None:
+        mask = mask.expand(qkv.shape[0], heads, qkv.shape[1], qkv.shape[1])
+    d = qkv.shape[-1] // (3 * heads)
+    out: torch.Tensor = PackedSmallAttention.apply(qkv, heads, mask, 1.0 / math.sqrt(d))
+    return out
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,8 +154,7 @@ def attention(
     """
     *lead, t, d = q.shape
     s = k.shape[-2]
-    small = t * s <= SMALL_ATTENTION_MAX_BLOCK and q.dtype in (torch.float32, torch.float64)
-    if not small or dropout_p > 0.0 or is_causal:
+    if not small_attention_applies(t, s, q.dtype, dropout_p=dropout_p, is_causal=is_causal):
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal)
     flat = [x.reshape(-1, x.shape[-2], x.shape[-1]) for x in (q, k, v)]
     m = None if mask is None else mask.expand(*lead, t, s).reshape(-1, t, s)
@@ -159,6 +232,17 @@ class FusedMultiheadAttention(FusedModule):
         s, h, d = key.shape[2], self.num_heads, self.head_dim
         w, bias = self.in_proj_weight, self.in_proj_bias
         assert w is not None
+        p = self.dropout if self.training else 0.0
+        packed = self_attention and not need_weights and not is_causal
+        packed = packed and small_attention_applies(t, s, query.dtype, dropout_p=p,
+                                                    is_causal=False)  # fmt: skip
+        if packed:
+            mask = self._mask(attn_mask, key_padding_mask, like=query, s=s)
+            if mask is not None:
+                mask = mask.expand(nb, n, h, t, s).reshape(nb * n, h, t, s)
+            qkv = self._project(query, w, bias).view(nb * n, t, 3 * e)
+            out = packed_attention(qkv, heads=h, mask=mask).view(nb, n, t, e)
+            return self._finish(self.out_proj(out), None, unbatched=unbatched, seq_first=seq_first)
         if self_attention:
             q, k, v = self._project(query, w, bias).chunk(3, dim=-1)
         else:
@@ -178,14 +262,7 @@ class FusedMultiheadAttention(FusedModule):
             mask = None  # the hint suffices: attention applies the causal mask itself
         else:
             is_causal = False
-            mask = additive_mask(attn_mask, query)
-            if mask is not None:
-                mask = mask.view(nb, 1, 1, t, s) if mask.dim() == 3 else mask.view(nb, n, h, t, s)
-            kpm = additive_mask(key_padding_mask, query)
-            if kpm is not None:
-                kpm = kpm.view(nb, n, 1, 1, s)
-                mask = kpm if mask is None else mask + kpm
-        p = self.dropout if self.training else 0.0
+            mask = self._mask(attn_mask, key_padding_mask, like=query, s=s)
 
         weights: torch.Tensor | None = None
         if need_weights:
@@ -209,11 +286,37 @@ class FusedMultiheadAttention(FusedModule):
                 is_causal=is_causal,
             ).unflatten(0, (nb, n))
         out = self.out_proj(out.transpose(2, 3).reshape(nb, n, t, e))
+        return self._finish(out, weights, unbatched=unbatched, seq_first=seq_first)
+
+    def _mask(
+        self,
+        attn_mask: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        *,
+        like: torch.Tensor,
+        s: int,
+    ) -> torch.Tensor | None:
+        """Both masks as one additive [B, N or 1, H or 1, T, S] mask (None if neither)."""
+        nb, n, t, _ = like.shape
+        mask = additive_mask(attn_mask, like)
+        if mask is not None:
+            h = self.num_heads
+            mask = mask.view(nb, 1, 1, t, s) if mask.dim() == 3 else mask.view(nb, n, h, t, s)
+        kpm = additive_mask(key_padding_mask, like)
+        if kpm is not None:
+            kpm = kpm.view(nb, n, 1, 1, s)
+            mask = kpm if mask is None else mask + kpm
+        return mask
+
+    @staticmethod
+    def _finish(
+        out: torch.Tensor, weights: torch.Tensor | None, *, unbatched: bool, seq_first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Back to the caller's layout: unbatched or sequence-first as it came."""
         if unbatched:
-            out = out.squeeze(1)
-            weights = None if weights is None else weights.squeeze(1)
-        elif seq_first:
-            out = out.transpose(1, 2)
+            return out.squeeze(1), None if weights is None else weights.squeeze(1)
+        if seq_first:
+            return out.transpose(1, 2), weights
         return out, weights
 
     def extra_repr(self) -> str:
