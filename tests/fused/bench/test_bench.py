@@ -51,6 +51,18 @@ def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> Non
     assert f"@ {best['fused']['threads']}" in row and f"{ratio:.2f}x" in row
 
 
+def test_concurrent_processes_never_oversubscribe_the_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from plait.fused.bench import runner
+
+    monkeypatch.setattr(runner, "_cpus", lambda: 2)
+    cfg = BenchConfig(models=("mlp",), sizes=(1, 2), strategies=(Strategy.CONCURRENT,),
+                      steps=1, rounds=1, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
+    got = sorted((r["n"], r["threads"]) for r in run_bench_fused(cfg))
+    assert got == [(1, 1), (1, 2), (2, 1)]  # 2 processes x 2 threads > 2 CPUs: skipped
+
+
 def test_bad_configuration() -> None:
     with pytest.raises(ValueError, match="unknown benchmark model 'alexnet'"):
         BenchConfig(models=("alexnet",))

@@ -16,6 +16,7 @@ run slower on two threads than on one, while a fused array's large kernels use b
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ class BenchConfig:
         strategies: strategies to compare.
         steps: timed steps per round; rounds: rounds per strategy; warmup: untimed steps.
         threads: intra-op thread counts to measure every strategy at (in-process
-            strategies and each concurrent worker alike).
+            strategies and each concurrent worker alike). N concurrent processes get more
+            than one thread only while N x threads fits the CPUs: beyond, their OpenMP
+            threads spin against each other (measured at N = 16 with 2 threads each on
+            2 cores: 130-630x slower than with one).
         batch_size: per-model batch (default: the model's).
         device: cpu or cuda.
         tune_malloc: raise glibc's malloc thresholds in every process of every strategy
@@ -105,6 +109,10 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
 Contestant = tuple[Strategy, int]  # a strategy at an intra-op thread count
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _measure(
     cfg: BenchConfig, name: str, n: int, batch: int
 ) -> tuple[dict[Contestant, list[float]], dict[Contestant, list[float]]]:
@@ -113,6 +121,8 @@ def _measure(
     try:
         for threads in cfg.threads:
             for s in cfg.strategies:
+                if s is Strategy.CONCURRENT and threads > 1 and n * threads > _cpus():
+                    continue  # oversubscribed (see BenchConfig.threads)
                 torch.set_num_threads(threads)
                 runners[s, threads] = r = make_runner(
                     s, model, n, batch=batch, threads=threads, device=cfg.device,
