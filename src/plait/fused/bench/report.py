@@ -81,11 +81,15 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
             [("throughput", "samples / s (wall clock)"), ("cpu_throughput", "samples / CPU s")]
         ):
             ax = axes[row][col]
+            strategies = list(dict.fromkeys(r["strategy"] for r in records))
+            counts = sorted({r["threads"] for r in records})
             for s, t in dict.fromkeys((r["strategy"], r["threads"]) for r in recs):
                 pts = sorted((r["n"], r[key]) for r in recs
                              if r["strategy"] == s and r["threads"] == t)  # fmt: skip
-                style = "o-" if t == recs[0]["threads"] else "s--"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{s} ({t}t)")
+                # one colour per strategy, one line style per thread count
+                style = ("o-", "s--", "^:", "d-.")[counts.index(t) % 4]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                        color=f"C{strategies.index(s)}", label=f"{s} ({t}t)")  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("models N")
