@@ -1,4 +1,5 @@
-"""Process helpers shared by the cluster registry and the compute token."""
+"""Process helpers shared by the cluster registry, the compute token, the planner and the
+benchmarks."""
 
 from __future__ import annotations
 
@@ -16,3 +17,10 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

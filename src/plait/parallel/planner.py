@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import socket
 import statistics
 import time
@@ -34,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from plait._proc import usable_cpus
 from plait.comm import AlphaBeta, Collective, CollectiveCosts
 from plait.parallel.adapters import ModelDims, adapter_for
 from plait.parallel.api import LossFn, cross_entropy
@@ -529,10 +529,7 @@ def compute_slots(threads_per_rank: int | None = None) -> int:
     Collective over the default group (gathers host names and core counts).
     """
     threads = threads_per_rank or torch.get_num_threads()
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
-    mine = (socket.gethostname(), cores)
+    mine = (socket.gethostname(), usable_cpus())
     if not dist.is_initialized():
         return 1
     every: list[Any] = [None] * dist.get_world_size()

@@ -56,7 +56,7 @@ def test_concurrent_processes_never_oversubscribe_the_cpus(
 ) -> None:
     from plait.fused.bench import runner
 
-    monkeypatch.setattr(runner, "_cpus", lambda: 2)
+    monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
     cfg = BenchConfig(models=("mlp",), sizes=(1, 2), strategies=(Strategy.CONCURRENT,),
                       steps=1, rounds=1, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
     got = sorted((r["n"], r["threads"]) for r in run_bench_fused(cfg))

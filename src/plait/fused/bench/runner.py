@@ -16,7 +16,6 @@ run slower on two threads than on one, while a fused array's large kernels use b
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from plait._proc import usable_cpus
 from plait.fused.bench.models import get_model
 from plait.fused.bench.strategies import Runner, Strategy, make_runner
 from plait.fused.malloc import tune_malloc
@@ -109,10 +109,6 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
 Contestant = tuple[Strategy, int]  # a strategy at an intra-op thread count
 
 
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _measure(
     cfg: BenchConfig, name: str, n: int, batch: int
 ) -> tuple[dict[Contestant, list[float]], dict[Contestant, list[float]]]:
@@ -121,7 +117,7 @@ def _measure(
     try:
         for threads in cfg.threads:
             for s in cfg.strategies:
-                if s is Strategy.CONCURRENT and threads > 1 and n * threads > _cpus():
+                if s is Strategy.CONCURRENT and threads > 1 and n * threads > usable_cpus():
                     continue  # oversubscribed (see BenchConfig.threads)
                 torch.set_num_threads(threads)
                 runners[s, threads] = r = make_runner(
