@@ -27,11 +27,39 @@ from plait.fused.ops.linear import FusedLinear, batched_linear
 SMALL_ATTENTION_MAX_BLOCK = 32 * 32
 
 
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale * q k^T + mask) v over [batch, T, d] blocks: (probabilities, output)."""
+    s = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    if mask is not None:
+        s.add_(mask)
+    p = torch.softmax(s, dim=-1)
+    return p, torch.bmm(p, v)
+
+
+def _attend_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    grad: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `_attend` from its kept probabilities: four batched matmuls and the
+    softmax gradient, dS = p * (dP - rowsum(dP * p))."""
+    dv = torch.bmm(p.transpose(1, 2), grad)
+    dp = torch.bmm(grad, v.transpose(1, 2))
+    ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(scale)
+    return torch.bmm(ds, k), torch.bmm(ds.transpose(1, 2), q), dv
+
+
 class SmallAttention(torch.autograd.Function):
     """softmax(scale * q k^T + mask) v over [batch, T, d] blocks, with a batched backward.
 
-    Forward keeps the probabilities p; backward is four batched matmuls and the softmax
-    gradient, dS = p * (dP - rowsum(dP * p)), so every kernel sees the whole batch.
+    Forward keeps the probabilities for `_attend_backward`, so every kernel of both
+    passes sees the whole batch.
     """
 
     @staticmethod
@@ -43,25 +71,16 @@ class SmallAttention(torch.autograd.Function):
         mask: torch.Tensor | None,
         scale: float,
     ) -> torch.Tensor:
-        s = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
-        if mask is not None:
-            s.add_(mask)
-        p = torch.softmax(s, dim=-1)
+        p, out = _attend(q, k, v, mask, scale)
         ctx.save_for_backward(q, k, v, p)
         ctx.scale = scale
-        return torch.bmm(p, v)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, p = ctx.saved_tensors
-        grad = grad.contiguous()
-        dv = torch.bmm(p.transpose(1, 2), grad)
-        dp = torch.bmm(grad, v.transpose(1, 2))
-        ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(ctx.scale)
-        dq = torch.bmm(ds, k)
-        dk = torch.bmm(ds.transpose(1, 2), q)
-        return dq, dk, dv, None, None
+        return *_attend_backward(q, k, v, p, grad=grad.contiguous(), scale=ctx.scale), None, None
 
 
 class PackedSmallAttention(torch.autograd.Function):
@@ -88,12 +107,9 @@ class PackedSmallAttention(torch.autograd.Function):
         probs, outs = [], []
         for j in range(heads):
             q, k, v = (qkv[..., i * e + j * d : i * e + (j + 1) * d] for i in range(3))
-            s = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
-            if mask is not None:
-                s.add_(mask[:, j])
-            p = torch.softmax(s, dim=-1)
+            p, out = _attend(q, k, v, None if mask is None else mask[:, j], scale)
             probs.append(p)
-            outs.append(torch.bmm(p, v))
+            outs.append(out)
         ctx.save_for_backward(qkv, *probs)
         ctx.scale, ctx.heads = scale, heads
         return torch.cat(outs, dim=-1)
@@ -108,11 +124,10 @@ class PackedSmallAttention(torch.autograd.Function):
         for j, p in enumerate(probs):
             q, k, v = (qkv[..., i * e + j * d : i * e + (j + 1) * d] for i in range(3))
             g = grad[..., j * d : (j + 1) * d]
-            dv.append(torch.bmm(p.transpose(1, 2), g))
-            dp = torch.bmm(g, v.transpose(1, 2))
-            ds = torch._softmax_backward_data(dp, p, -1, p.dtype).mul_(ctx.scale)
-            dq.append(torch.bmm(ds, k))
-            dk.append(torch.bmm(ds.transpose(1, 2), q))
+            gq, gk, gv = _attend_backward(q, k, v, p, grad=g, scale=ctx.scale)
+            dq.append(gq)
+            dk.append(gk)
+            dv.append(gv)
         return torch.cat(dq + dk + dv, dim=-1), None, None, None
 
 
