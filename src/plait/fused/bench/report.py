@@ -73,11 +73,14 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Throughput against N, one column per model, one line per strategy; the top row by
-    wall clock, the bottom row per CPU second (the load-robust measure)."""
+    """Throughput against N, one column per model, one line per strategy and thread count
+    (colour: strategy; style: thread count); the top row by wall clock, the bottom row per
+    CPU second (the load-robust measure)."""
     plt = pyplot()
 
     models = list(dict.fromkeys(r["workload"] for r in records))
+    strategies = list(dict.fromkeys(r["strategy"] for r in records))  # colour per strategy
+    counts = sorted({r["threads"] for r in records})  # line style per thread count
     fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 7.5), squeeze=False)
     for col, model in enumerate(models):
         recs = [r for r in records if r["workload"] == model]
@@ -85,12 +88,9 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
             [("throughput", "samples / s (wall clock)"), ("cpu_throughput", "samples / CPU s")]
         ):
             ax = axes[row][col]
-            strategies = list(dict.fromkeys(r["strategy"] for r in records))
-            counts = sorted({r["threads"] for r in records})
             for s, t in dict.fromkeys((r["strategy"], r["threads"]) for r in recs):
                 pts = sorted((r["n"], r[key]) for r in recs
                              if r["strategy"] == s and r["threads"] == t)  # fmt: skip
-                # one colour per strategy, one line style per thread count
                 style = ("o-", "s--", "^:", "d-.")[counts.index(t) % 4]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
                         color=f"C{strategies.index(s)}", label=f"{s} ({t}t)")  # fmt: skip
