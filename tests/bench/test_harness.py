@@ -38,6 +38,9 @@ def test_records_side_by_side() -> None:
         assert r["iter_time_min_s"] <= r["iter_time_s"] <= r["iter_time_max_s"]
         assert len(r["iter_times_s"]) == 3 and r["compute_time_s"] > 0
         assert 0 < r["overlap_efficiency"] < 2
+        # a step costs its process CPU time; a one-thread worker cannot use more than
+        # its wall time plus the collective library's threads, a few times over at most
+        assert r["compute_cpu_time_s"] > 0 and 0 < r["cpu_time_s"] < 8 * r["iter_time_max_s"]
         assert r["probe"]["world"] == 2
     # same model, same bytes whatever the bucketing; 1 MiB buckets mean more collectives
     assert (
@@ -54,3 +57,17 @@ def test_bad_spec() -> None:
         BenchSpec(workload="alexnet", strategies=["ssgd"])
     with pytest.raises(ValueError, match="no strategies"):
         BenchSpec(workload="mlp", strategies=[])
+
+
+def test_table_shows_added_cpu() -> None:
+    from plait.bench.report import markdown_table
+
+    rec = {
+        "workload": "mlp", "bandwidth": "slow", "rate": "100mbit", "strategy": "ssgd",
+        "iter_time_s": 0.5, "iter_time_min_s": 0.4, "iter_time_max_s": 0.6,
+        "compute_time_s": 0.25, "bytes_per_step": 2e6, "overlap_efficiency": 0.5,
+    }  # fmt: skip
+    measured = markdown_table([{**rec, "cpu_time_s": 0.273, "compute_cpu_time_s": 0.206}])
+    assert measured.splitlines()[-1].endswith("| 273 (+67) |")
+    # records from before CPU accounting still render
+    assert markdown_table([rec]).splitlines()[-1].endswith("| - |")

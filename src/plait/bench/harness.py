@@ -11,6 +11,12 @@ compute-only time, the bytes a worker sends per step (payload, modelled ring tra
 on an emulated cluster, bytes counted on the node's link), and the overlap efficiency
 ``max(compute, comm lower bound) / iteration``, the lower bound being the step's
 collectives under the alpha-beta model probed at the start of the job.
+
+It also reports the CPU time a worker process spends per step (all its threads: autograd,
+compression, the collective library's threads and the kernel's network path charged to
+them) in both phases. Where workers share too few cores, the compute-only step already
+keeps every core busy, so each CPU-second a strategy adds to a step costs wall-clock time
+no matter how well it overlaps: the difference bounds what overlap can hide.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -77,6 +84,14 @@ class _Runner:
     wire: list[float] = field(default_factory=list)
     comm_lb: list[float] = field(default_factory=list)
     nic: list[int] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    compute_cpu_s: list[float] = field(default_factory=list)
+
+
+def _process_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by every thread of this process."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _nic_tx_bytes() -> int | None:
@@ -174,12 +189,15 @@ def run_benchmark(spec: BenchSpec) -> list[dict[str, Any]]:
             pdist.barrier()
             tx0 = _nic_tx_bytes()
             with comm_stats.window() as recs:
+                c0 = _process_cpu_s()
                 t0 = time.perf_counter()
                 _step(r, x, y, wl.loss)
                 dt = time.perf_counter() - t0
+                dc = _process_cpu_s() - c0
             tx1 = _nic_tx_bytes()
             if keep:
                 r.iter_s.append(dt)
+                r.cpu_s.append(dc)
                 r.payload.append(sum(c.nbytes for c in recs))
                 r.wire.append(sum(c.wire_bytes for c in recs))
                 if model_ab is not None:
@@ -191,12 +209,15 @@ def run_benchmark(spec: BenchSpec) -> list[dict[str, Any]]:
         for r in runners:
             x, y = _round_batch(x_all, y_all, rnd, r.local_batch, device)
             pdist.barrier()
+            c0 = _process_cpu_s()
             t0 = time.perf_counter()
             with r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
                 _step(r, x, y, wl.loss, phase="compute-only")
             dt = time.perf_counter() - t0
+            dc = _process_cpu_s() - c0
             if keep:
                 r.compute_s.append(dt)
+                r.compute_cpu_s.append(dc)
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -237,6 +258,8 @@ def _summarise(
     it = _slowest(r.iter_s)
     comp = _slowest(r.compute_s)
     nic = _mean_over_ranks([float(v) for v in r.nic]) if r.nic else []
+    cpu = _mean_over_ranks(r.cpu_s)
+    comp_cpu = _mean_over_ranks(r.compute_cpu_s)
     has_nic = torch.tensor([1 if r.nic else 0])
     if dist.is_initialized() and world > 1:
         dist.all_reduce(has_nic, op=dist.ReduceOp.MIN)
@@ -267,6 +290,8 @@ def _summarise(
         "compute_times_s": comp,
         "comm_lower_bound_s": lb,
         "overlap_efficiency": max(comp_med, lb) / iter_med,
+        "cpu_time_s": statistics.median(cpu),
+        "compute_cpu_time_s": statistics.median(comp_cpu),
         "payload_bytes_per_step": statistics.median(r.payload) if r.payload else 0,
         "bytes_per_step": statistics.median(r.wire) if r.wire else 0.0,
         "nic_bytes_per_step": (statistics.median(nic) / nproc) if nic and int(has_nic) else None,

@@ -80,8 +80,8 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
     """One row per record, with ratios to the first strategy of each (workload, bandwidth)."""
     head = (
         "| workload | bandwidth (rate) | strategy | iter s median [min-max] | compute s | "
-        "iter/compute | vs first | MB/step | overlap eff. |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "iter/compute | vs first | MB/step | overlap eff. | CPU ms/step (+ over compute) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     base: dict[tuple[str, str], float] = {}
@@ -94,9 +94,18 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
             f"{r.get('strategy_spec', r['strategy'])} | "
             f"{r['iter_time_s']:.3f} [{r['iter_time_min_s']:.3f}-{r['iter_time_max_s']:.3f}] | "
             f"{r['compute_time_s']:.3f} | {r['iter_time_s'] / r['compute_time_s']:.2f}x | "
-            f"{speed:.2f}x | {r['bytes_per_step'] / 1e6:.2f} | {r['overlap_efficiency']:.2f} |"
+            f"{speed:.2f}x | {r['bytes_per_step'] / 1e6:.2f} | {r['overlap_efficiency']:.2f} | "
+            f"{_cpu_cell(r)} |"
         )
     return head + "\n".join(rows) + "\n"
+
+
+def _cpu_cell(r: dict[str, Any]) -> str:
+    """Process CPU per step and what the strategy adds to compute-only ("-" if unmeasured)."""
+    cpu, comp = r.get("cpu_time_s"), r.get("compute_cpu_time_s")
+    if cpu is None or comp is None:
+        return "-"
+    return f"{cpu * 1e3:.0f} ({(cpu - comp) * 1e3:+.0f})"
 
 
 def plot(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
