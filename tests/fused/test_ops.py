@@ -230,10 +230,12 @@ def test_attention_kernels_match_torch(length: int, masked: bool) -> None:
         assert rel_err(a, b) <= 1e-10
 
 
+# heads narrower than the sequence take the transposed products of `_narrow_bmm`
+@pytest.mark.parametrize(("t", "d"), [(5, 2), (3, 4)])
 @pytest.mark.parametrize("mask_heads", [None, 1, 3])  # no mask, shared by heads, per head
-def test_packed_attention_matches_torch(mask_heads: int | None) -> None:
+def test_packed_attention_matches_torch(mask_heads: int | None, t: int, d: int) -> None:
     torch.manual_seed(0)
-    batch, t, heads, d = 4, 5, 3, 2
+    batch, heads = 4, 3
     qkv = torch.randn(batch, t, 3 * heads * d, dtype=torch.float64, requires_grad=True)
     mask = None if mask_heads is None else torch.randn(batch, mask_heads, t, t, dtype=qkv.dtype)
     ours = packed_attention(qkv, heads=heads, mask=mask)
