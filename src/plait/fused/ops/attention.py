@@ -32,8 +32,9 @@ def _narrow_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     MKL's batched kernels run a block with a narrow output (a 16 x 16 by 16 x 8 product,
     one head of a sweep-sized model) about 1.5x faster transposed, as an 8 x 16 output
-    (measured on CPU). The result is then a transposed view, which every consumer here
-    (concatenation, reshape, autograd) reads in place.
+    (measured on CPU). The result is then a transposed view: the packed path's
+    concatenations read it in place, and the generic path's reshape copies it once, which
+    costs less than the product saves.
     """
     if b.shape[-1] < a.shape[-2]:
         return torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
