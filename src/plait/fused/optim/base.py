@@ -32,6 +32,9 @@ class _Layout:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     step: torch.Tensor | None = None
     work: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Per-parameter views of the flat buffers that persist across steps, made once, so
+    #: that a step does not split them again parameter by parameter (about 2 us each).
+    views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -169,8 +172,17 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _views(flat: torch.Tensor, layout: _Layout) -> list[torch.Tensor]:
+        """`flat` [B, T] split into views of each parameter's shape; cached for the
+        group's persistent state and scratch buffers (a fresh tensor gets fresh views)."""
+        cached = layout.views.get(id(flat))
+        if cached is not None and cached[0] is flat:
+            return cached[1]
         parts = flat.split(layout.sizes, 1)
-        return [d.view(p.shape) for d, p in zip(parts, layout.params, strict=True)]
+        views = [d.view(p.shape) for d, p in zip(parts, layout.params, strict=True)]
+        persistent = (*layout.work.values(), *layout.buffers.values())
+        if any(flat is t for t in persistent):
+            layout.views[id(flat)] = (flat, views)
+        return views
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -268,12 +280,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 continue
             layout = self._layout(index, group, params)
             self._current = layout
-            grads = [p.grad.reshape(b, -1) for p in params if p.grad is not None]
+            grads = [p.grad for p in params if p.grad is not None]
             if len(grads) == 1:
-                grad = grads[0]
-            else:
-                out = self.work("grad", grads[0], (b, sum(layout.sizes)))
-                grad = torch.cat(grads, 1, out=out)
+                grad = grads[0].reshape(b, -1)
+            else:  # one foreach copy into cached views of the flat gradient
+                grad = self.work("grad", grads[0], (b, sum(layout.sizes)))
+                torch._foreach_copy_(self._views(grad, layout), grads)
             if group.get("maximize", False):
                 grad = -grad
             assert layout.step is not None
