@@ -124,7 +124,8 @@ def test_gradients_with_any_strides_give_the_same_step() -> None:
                 p.grad = g if layout == "contiguous" else strided
             opt.step()
         results.append([p.detach().clone() for p in params])
-    assert not params[0].grad.is_contiguous()  # the strided case really is strided
+    last = params[0].grad
+    assert last is not None and not last.is_contiguous()  # the strided case is strided
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 
