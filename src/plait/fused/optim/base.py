@@ -3,9 +3,10 @@
 A fused array's parameters are [B, ...]. A fused optimizer keeps each group's state as
 flat [B, T] buffers (T = one model's parameter count in the group) and the per-param
 state that `torch.optim.Optimizer.state_dict` saves as views into them. Each step
-gathers the gradients into one [B, T] tensor, runs the update rule once with every
-per-model hyper-parameter as a [B, 1] coefficient, and adds the result back with one
-foreach call: the kernel count of a single small model's step, whatever B is.
+gathers the gradients into one [B, T] tensor with one foreach copy, runs the update rule
+once with every per-model hyper-parameter as a [B, 1] coefficient, and adds the result
+back with one foreach call: the kernel count of a single small model's step, whatever B
+is, and no per-parameter work in Python beyond building the list of gradients.
 
 Hyper-parameters named in `per_model_keys` accept a number (all models) or a length-B
 sequence; groups store one number when all models agree and a list otherwise, so
