@@ -181,7 +181,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         parts = flat.split(layout.sizes, 1)
         views = [d.view(p.shape) for d, p in zip(parts, layout.params, strict=True)]
         persistent = (*layout.work.values(), *layout.buffers.values())
-        if any(flat is t for t in persistent):
+        if any(flat is t for t in persistent):  # also forget buffers since replaced
+            layout.views = {k: v for k, v in layout.views.items()
+                            if any(v[0] is t for t in persistent)}  # fmt: skip
             layout.views[id(flat)] = (flat, views)
         return views
 
