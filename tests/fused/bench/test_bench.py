@@ -46,6 +46,12 @@ def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> Non
     table = markdown_table(records)
     best = {s: min((r for r in records if r["strategy"] == s), key=lambda r: r["iter_time_s"])
             for s in ("fused", "serial")}  # fmt: skip
+    # The whole-machine records (each strategy at its fastest count) lead the JSON.
+    assert [r["fastest_threads"] for r in records] == [True, True, False, False]
+    assert {r["strategy"]: r for r in records[:2]} == best
+    for r in records:
+        ratio_best = best["serial"]["iter_time_s"] / r["iter_time_s"]
+        assert r["speedup_vs_fastest_serial"] == pytest.approx(ratio_best)
     row = table.split("fastest thread count")[1].splitlines()[4]
     ratio = best["serial"]["iter_time_s"] / best["fused"]["iter_time_s"]
     assert f"@ {best['fused']['threads']}" in row and f"{ratio:.2f}x" in row
