@@ -256,6 +256,9 @@ def _add_bench_fused_parser(sub: Any) -> None:
     f.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
     f.add_argument("--default-malloc", action="store_true",
                    help="keep glibc's malloc thresholds (default: raised)")  # fmt: skip
+    f.add_argument("--stock-adam", default="fused", choices=["fused", "foreach", "for-loop"],
+                   help="torch.optim.Adam implementation of the serial, concurrent and vmap "
+                        "strategies (default: fused, the kernel FusedAdam runs too)")  # fmt: skip
 
 
 def _split_specs(text: str) -> list[str]:
@@ -548,7 +551,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_fused(args: argparse.Namespace) -> int:
-    from plait.fused.bench import BenchConfig, Strategy, run_bench_fused
+    from plait.fused.bench import BenchConfig, StockAdam, Strategy, run_bench_fused
     from plait.fused.bench.report import markdown_table, write_reports
 
     cfg = BenchConfig(
@@ -557,6 +560,7 @@ def cmd_bench_fused(args: argparse.Namespace) -> int:
         strategies=tuple(Strategy(s.strip()) for s in args.strategies.split(",") if s.strip()),
         steps=args.steps, rounds=args.rounds, warmup=args.warmup, threads=args.threads,
         batch_size=args.batch_size, device=args.device, tune_malloc=not args.default_malloc,
+        stock_adam=StockAdam(args.stock_adam),
     )  # fmt: skip
     records = run_bench_fused(cfg)
     print(markdown_table(records))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.fused.bench import BenchConfig, Strategy, run_bench_fused
+from plait.fused.bench import BenchConfig, StockAdam, Strategy, run_bench_fused
 from plait.fused.bench.report import write_reports
 
 
@@ -82,3 +82,22 @@ def test_malloc_tuning_reports_whether_it_applied() -> None:
     from plait.fused.malloc import tune_malloc
 
     assert isinstance(tune_malloc(), bool)
+
+
+@pytest.mark.parametrize("adam", list(StockAdam))
+def test_stock_strategies_use_the_chosen_adam(adam: StockAdam) -> None:
+    from plait.fused.bench.models import get_model
+    from plait.fused.bench.strategies import Serial, Vmap, make_runner
+
+    model = get_model("mlp")
+    serial = make_runner(Strategy.SERIAL, model, 2, batch=4, threads=1, device="cpu", adam=adam)
+    vmap = make_runner(Strategy.VMAP, model, 2, batch=4, threads=1, device="cpu", adam=adam)
+    assert isinstance(serial, Serial) and isinstance(vmap, Vmap)
+    for opt in [*serial.opts, vmap.opt]:
+        assert bool(opt.defaults["fused"]) is (adam is StockAdam.FUSED)
+        assert bool(opt.defaults["foreach"]) is (adam is StockAdam.FOREACH)
+    serial.run(1)  # every implementation steps on CPU
+    vmap.run(1)
+    cfg = BenchConfig(models=("mlp",), sizes=(1,), strategies=(Strategy.SERIAL,), steps=1,
+                      rounds=1, warmup=1, batch_size=4, stock_adam=adam)  # fmt: skip
+    assert run_bench_fused(cfg)[0]["stock_adam"] == adam.value

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from plait.fused.bench.models import BENCH_MODELS, BenchModel
 from plait.fused.bench.runner import BenchConfig, run_bench_fused
-from plait.fused.bench.strategies import Strategy
+from plait.fused.bench.strategies import StockAdam, Strategy
 
-__all__ = ["BENCH_MODELS", "BenchConfig", "BenchModel", "Strategy", "run_bench_fused"]
+__all__ = ["BENCH_MODELS", "BenchConfig", "BenchModel", "StockAdam", "Strategy", "run_bench_fused"]

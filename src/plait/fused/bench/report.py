@@ -8,13 +8,22 @@ from pathlib import Path
 from typing import Any
 
 from plait.bench.report import pyplot, save_figure, stamp
+from plait.fused.bench.strategies import Strategy
+
+
+def _strategies(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The strategies present, in `Strategy`'s order whatever the records' order."""
+    present = {r["strategy"] for r in records}
+    return [s.value for s in Strategy if s.value in present]
 
 
 def _by(
     records: Sequence[dict[str, Any]],
 ) -> dict[tuple[str, int, int], dict[str, dict[str, Any]]]:
+    """Records per (model, N, threads), rows ordered by model (as first seen), N, threads."""
+    models = list(dict.fromkeys(r["workload"] for r in records))
     out: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
-    for r in records:
+    for r in sorted(records, key=lambda r: (models.index(r["workload"]), r["n"], r["threads"])):
         out.setdefault((r["workload"], r["n"], r["threads"]), {})[r["strategy"]] = r
     return out
 
@@ -22,11 +31,12 @@ def _by(
 def _best(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
     """Per model and N, each strategy's record at its fastest thread count."""
     out: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
-    for r in records:
-        slot = out.setdefault((r["workload"], r["n"]), {})
-        old = slot.get(r["strategy"])
-        if old is None or r["iter_time_s"] < old["iter_time_s"]:
-            slot[r["strategy"]] = r
+    for (model, n, _), recs in _by(records).items():
+        for r in recs.values():
+            slot = out.setdefault((model, n), {})
+            old = slot.get(r["strategy"])
+            if old is None or r["iter_time_s"] < old["iter_time_s"]:
+                slot[r["strategy"]] = r
     return out
 
 
@@ -45,7 +55,7 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
     """Wall-clock throughput (samples/s) per strategy and the fused array's speed-ups
     (wall clock, and CPU time in brackets), per model, N and thread count; with several
     thread counts, a second table compares every strategy at its own fastest count."""
-    strategies = list(dict.fromkeys(r["strategy"] for r in records))
+    strategies = _strategies(records)
     others = [s for s in ("serial", "vmap", "concurrent") if s in strategies]
     ratios = " | ".join(f"fused vs {s} wall [CPU]" for s in others)
     rule = "|---" * (len(strategies) + len(others) + 3) + "|\n"
@@ -79,7 +89,7 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
     plt = pyplot()
 
     models = list(dict.fromkeys(r["workload"] for r in records))
-    strategies = list(dict.fromkeys(r["strategy"] for r in records))  # colour per strategy
+    strategies = _strategies(records)  # colour per strategy
     counts = sorted({r["threads"] for r in records})  # line style per thread count
     fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 7.5), squeeze=False)
     for col, model in enumerate(models):
@@ -88,7 +98,8 @@ def plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
             [("throughput", "samples / s (wall clock)"), ("cpu_throughput", "samples / CPU s")]
         ):
             ax = axes[row][col]
-            for s, t in dict.fromkeys((r["strategy"], r["threads"]) for r in recs):
+            pairs = {(r["strategy"], r["threads"]) for r in recs}
+            for s, t in sorted(pairs, key=lambda p: (strategies.index(p[0]), p[1])):
                 pts = sorted((r["n"], r[key]) for r in recs
                              if r["strategy"] == s and r["threads"] == t)  # fmt: skip
                 style = ("o-", "s--", "^:", "d-.")[counts.index(t) % 4]
@@ -114,7 +125,8 @@ def markdown_report(records: Sequence[dict[str, Any]]) -> str:
         md += (f"\ncommit {first['commit']}, torch {first['torch']}, {mach['cpus']} CPUs "
                f"({mach['processor']}), device {first['device']}, "
                f"intra-op threads per process as in the tables, glibc malloc thresholds "
-               f"{'raised' if first.get('malloc_tuned') else 'default'}\n")  # fmt: skip
+               f"{'raised' if first.get('malloc_tuned') else 'default'}, stock Adam "
+               f"{first.get('stock_adam', 'for-loop')}\n")  # fmt: skip
     return md
 
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from plait._proc import usable_cpus
 from plait.fused.bench.models import get_model
-from plait.fused.bench.strategies import Runner, Strategy, make_runner
+from plait.fused.bench.strategies import Runner, StockAdam, Strategy, make_runner
 from plait.fused.malloc import tune_malloc
 
 
@@ -47,6 +47,8 @@ class BenchConfig:
         device: cpu or cuda.
         tune_malloc: raise glibc's malloc thresholds in every process of every strategy
             (see `plait.fused.malloc`).
+        stock_adam: the implementation of `torch.optim.Adam` the serial, concurrent and
+            vmap strategies use (see `StockAdam`).
     """
 
     models: Sequence[str] = ("mlp", "cnn", "transformer")
@@ -59,6 +61,7 @@ class BenchConfig:
     batch_size: int | None = None
     device: str = "cpu"
     tune_malloc: bool = True
+    stock_adam: StockAdam = StockAdam.FUSED
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -107,6 +110,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
                         "speedup_vs_fastest_serial":
                             None if best_serial is None else medians[best_serial] / step,
                         "steps": cfg.steps, "rounds": cfg.rounds, "malloc_tuned": tuned,
+                        "stock_adam": cfg.stock_adam.value,
                     })  # fmt: skip
                 # Each strategy's record at its fastest thread count comes first: that is
                 # the whole-machine comparison, which readers of the JSON meet first.
@@ -143,7 +147,7 @@ def _measure(
                 torch.set_num_threads(threads)
                 runners[s, threads] = r = make_runner(
                     s, model, n, batch=batch, threads=threads, device=cfg.device,
-                    tune=cfg.tune_malloc,
+                    tune=cfg.tune_malloc, adam=cfg.stock_adam,
                 )  # fmt: skip
                 r.run(cfg.warmup)
         times: dict[Contestant, list[float]] = {c: [] for c in runners}

@@ -7,6 +7,11 @@
   with stock Adam over the stacked weights (Adam is element-wise, so this is per-model
   Adam with one shared learning rate).
 
+The stock strategies' Adam is torch's fused implementation by default (`StockAdam`):
+the fused array's `FusedAdam` runs that same kernel, so the comparison measures fusing
+the models, not a faster optimizer. torch's default on CPU, a loop over parameters,
+makes a small model's step up to 1.5x slower (the MLP's).
+
 `run(steps)` trains every model `steps` steps and returns the wall time and the CPU
 time it took (summed over the worker processes of the concurrent strategy). On a shared
 machine the CPU time is the load-robust measure of work; the wall time includes the
@@ -36,6 +41,20 @@ from plait.fused.optim import FusedAdam
 LR = 1e-3
 
 
+class StockAdam(StrEnum):
+    """Which implementation of `torch.optim.Adam` the stock strategies use."""
+
+    FUSED = "fused"  # one kernel for all parameters, as `FusedAdam` uses
+    FOREACH = "foreach"  # multi-tensor kernels
+    FOR_LOOP = "for-loop"  # a loop over parameters: torch's default on CPU
+
+    def make(self, params: Any) -> torch.optim.Adam:
+        """Adam over `params` at the benchmark's learning rate."""
+        if self is StockAdam.FUSED:
+            return torch.optim.Adam(params, lr=LR, fused=True)
+        return torch.optim.Adam(params, lr=LR, foreach=self is StockAdam.FOREACH)
+
+
 class Strategy(StrEnum):
     FUSED = "fused"
     SERIAL = "serial"
@@ -51,7 +70,10 @@ def _sync(device: str) -> None:
 class _Setup:
     """N models, their inputs and targets, shared by the in-process strategies."""
 
-    def __init__(self, model: BenchModel, n: int, batch: int, device: str, seed: int = 0) -> None:
+    def __init__(
+        self, model: BenchModel, n: int, batch: int, device: str, *, adam: StockAdam, seed: int = 0
+    ) -> None:
+        self.adam = adam
         g = torch.Generator().manual_seed(seed)
         self.x = model.inputs(n, batch, g).to(device)
         self.y = torch.randint(0, model.num_classes, (n, batch), generator=g).to(device)
@@ -94,7 +116,7 @@ class Fused(Runner):
 class Serial(Runner):
     def __init__(self, setup: _Setup) -> None:
         self.models = setup.models
-        self.opts = [torch.optim.Adam(m.parameters(), lr=LR) for m in self.models]
+        self.opts = [setup.adam.make(m.parameters()) for m in self.models]
         self.s = setup
 
     def train(self, steps: int) -> None:
@@ -120,7 +142,7 @@ class Vmap(Runner):
             return functional_call(base, (p, b), (x,))
 
         self.forward = vmap(one, randomness="different")
-        self.opt = torch.optim.Adam(self.params.values(), lr=LR)
+        self.opt = setup.adam.make(self.params.values())
         self.s = setup
 
     def train(self, steps: int) -> None:
@@ -140,6 +162,7 @@ def _worker(
     seed: int,
     device: str,
     tune: bool,
+    adam: str,
     conn: Connection,
 ) -> None:
     """One process of the concurrent strategy: a stock model trained on command."""
@@ -152,7 +175,7 @@ def _worker(
     y = torch.randint(0, model.num_classes, (batch,), generator=g).to(device)
     torch.manual_seed(seed)
     m = model.build().to(device)
-    opt = torch.optim.Adam(m.parameters(), lr=LR)
+    opt = StockAdam(adam).make(m.parameters())
     conn.send("ready")
     while True:
         cmd = conn.recv()
@@ -172,7 +195,15 @@ class Concurrent(Runner):
     """N worker processes (started from a fork server with torch preloaded)."""
 
     def __init__(
-        self, model: BenchModel, n: int, *, batch: int, threads: int, device: str, tune: bool
+        self,
+        model: BenchModel,
+        n: int,
+        *,
+        batch: int,
+        threads: int,
+        device: str,
+        tune: bool,
+        adam: StockAdam,
     ) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "plait.fused.bench.strategies"])
@@ -181,7 +212,8 @@ class Concurrent(Runner):
         for i in range(n):
             parent, child = ctx.Pipe()
             kwargs = {"model_name": model.name, "batch": batch, "threads": threads, "seed": i,
-                      "device": device, "tune": tune, "conn": child}  # fmt: skip
+                      "device": device, "tune": tune, "adam": adam.value,
+                      "conn": child}  # fmt: skip
             p = ctx.Process(target=_worker, kwargs=kwargs, daemon=True)
             p.start()
             child.close()
@@ -225,10 +257,12 @@ def make_runner(
     threads: int,
     device: str,
     tune: bool = False,
+    adam: StockAdam = StockAdam.FUSED,
 ) -> Runner:
     if strategy is Strategy.CONCURRENT:
-        return Concurrent(model, n, batch=batch, threads=threads, device=device, tune=tune)
-    setup = _Setup(model, n, batch, device)
+        return Concurrent(model, n, batch=batch, threads=threads, device=device, tune=tune,
+                          adam=adam)  # fmt: skip
+    setup = _Setup(model, n, batch, device, adam=adam)
     if strategy is Strategy.FUSED:
         return Fused(setup)
     if strategy is Strategy.SERIAL:
