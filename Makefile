@@ -35,7 +35,7 @@ bench: install
 	$(BIN)/plait bench --workload resnet18 --strategies ssgd --nodes 4 --bandwidth slow,fast --out benchmarks/foundation
 
 bench-fused: install
-	$(BIN)/plait bench-fused --threads 1,2 --out benchmarks/hfta/threads
+	$(BIN)/plait bench-fused --threads 1,2 --out benchmarks/hfta/grid
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
