@@ -216,3 +216,41 @@ def test_keep_drops_models_from_array_and_optimizer() -> None:
     for b, sd in enumerate(array.to_models()):
         for k, v in stock[b].state_dict().items():
             assert rel_err(sd[k], v) <= RTOL
+
+
+def test_step_hooks_and_profiler_scopes_work_as_in_torch_optim() -> None:
+    """The lean paths of `step` and `zero_grad` must keep torch.optim's contract: step
+    hooks (per optimizer and global) run, and a recording profiler sees both scopes."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    array = plait.fuse(model, n=2)
+    opt = FusedAdamW(array.parameters(), lr=[1e-3, 2e-3])
+    calls: list[str] = []
+
+    def train() -> None:
+        opt.zero_grad()
+        array(torch.randn(2, 3, 6)).pow(2).sum().backward()
+        opt.step()
+
+    train()  # no hook, no profiler: the direct path
+    assert all(p.grad is not None for p in array.parameters())
+    pre = opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    post = opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    glob = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global"))
+    train()
+    assert calls == ["global", "pre", "post"]
+    for handle in (pre, post, glob):
+        handle.remove()
+    train()
+    assert calls == ["global", "pre", "post"]  # removed hooks stay silent
+
+    with torch.profiler.profile() as prof:
+        train()
+    names = {e.name for e in prof.events()}
+    assert "Optimizer.step#FusedAdamW.step" in names
+    assert "Optimizer.zero_grad#FusedAdamW.zero_grad" in names
+
+    opt.zero_grad(set_to_none=False)  # zeroes in place, as torch.optim does
+    assert all(p.grad is not None and not p.grad.any() for p in array.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in array.parameters())

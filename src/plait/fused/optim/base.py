@@ -15,11 +15,14 @@ sequence; groups store one number when all models agree and a list otherwise, so
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch._C._autograd import _profiler_enabled
+from torch.optim import optimizer as _torch_optim
 
 from plait.fused.hparams import coefficient, compact, per_model, per_model_pairs
 
@@ -269,6 +272,49 @@ class FusedOptimizer(torch.optim.Optimizer):
             param: returns the [B, T] current parameters (gathered only when asked for).
         """
         raise NotImplementedError
+
+    @staticmethod
+    def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:
+        """torch.optim's wrapper of `step` (step hooks and a profiler scope), entered only
+        when a hook is registered or a profiler is recording; otherwise `step` runs
+        directly.
+
+        Inside a training loop the wrapper cost a small array's step about 5% (MLP of
+        16 models), and a fused array has one optimizer where serial training has one
+        per model.
+        """
+        hooked = torch.optim.Optimizer.profile_hook_step(func)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            opt = args[0]
+            assert isinstance(opt, torch.optim.Optimizer)
+            if (
+                _profiler_enabled()
+                or opt._optimizer_step_pre_hooks
+                or opt._optimizer_step_post_hooks
+                or _torch_optim._global_optimizer_pre_hooks
+                or _torch_optim._global_optimizer_post_hooks
+            ):
+                return hooked(*args, **kwargs)
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's `zero_grad`; dropping the gradients skips its profiler scope
+        unless a profiler is recording.
+
+        The scope and bookkeeping around a loop over a handful of parameters cost a small
+        array's training step about 6% (MLP of 16 models: 68 against 10 us per call,
+        measured inside the training loop).
+        """
+        if not set_to_none or _profiler_enabled():
+            super().zero_grad(set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
