@@ -254,3 +254,24 @@ def test_step_hooks_and_profiler_scopes_work_as_in_torch_optim() -> None:
     assert all(p.grad is not None and not p.grad.any() for p in array.parameters())
     opt.zero_grad()
     assert all(p.grad is None for p in array.parameters())
+
+
+def test_learning_rates_changed_in_place_take_effect() -> None:
+    """The fused Adam step remembers resolved learning rates by value: a list edited in
+    place (as a hand-written schedule might) must still change the next step."""
+    array = plait.fuse(model, n=2)
+    opt = FusedAdam(array.parameters(), lr=[0.1, 0.2])
+    x = torch.randn(2, 3, 6)
+
+    def step() -> dict[str, torch.Tensor]:
+        before = {k: v.clone() for k, v in array.state_dict().items()}
+        opt.zero_grad()
+        array(x).pow(2).sum().backward()
+        opt.step()
+        return {k: v - before[k] for k, v in array.state_dict().items()}
+
+    step()
+    opt.param_groups[0]["lr"][1] = 0.0
+    moved = step()
+    for k, d in moved.items():
+        assert d[0].abs().sum() > 0 and torch.equal(d[1], torch.zeros_like(d[1])), k
