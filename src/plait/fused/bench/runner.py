@@ -12,6 +12,11 @@ Every strategy runs at each of the configured intra-op thread counts (each pair 
 contestant of the interleaved rounds), so a report can compare strategies thread for
 thread and also each at its own best count: on a 2-core CPU one model's small kernels
 run slower on two threads than on one, while a fused array's large kernels use both.
+Mixing thread counts has one cost: an in-process contestant's CPU time then includes the
+spin-wait of OpenMP threads that a two-thread contestant left running in the process
+(measured: one-thread rounds of the fused MLP at N = 16 used 1.8x their wall time in
+CPU, 1.0x after a 50 ms pause, which in turn slowed every wall time). The goals are
+judged on wall times; CPU times at one thread are clean only with `threads=(1,)`.
 """
 
 from __future__ import annotations
