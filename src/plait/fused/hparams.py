@@ -16,6 +16,11 @@ import torch
 PerModel: TypeAlias = float | Sequence[float] | torch.Tensor
 
 
+def is_number(x: object) -> bool:
+    """An int or float hyper-parameter value (bool is not one, though Python counts it)."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def per_model(value: object, *, num_models: int, name: str) -> list[float]:
     """`value` as a list of `num_models` floats.
 
@@ -44,7 +49,7 @@ def per_model(value: object, *, num_models: int, name: str) -> list[float]:
         )
     out: list[float] = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | float):
+        if not is_number(v):
             raise ValueError(f"{name} must hold numbers, got {v!r}")
         out.append(float(v))
     return out
@@ -60,11 +65,7 @@ def per_model_ints(value: object, *, num_models: int, name: str) -> list[int]:
 
 def per_model_pairs(value: object, *, num_models: int, name: str) -> list[tuple[float, float]]:
     """A pair such as Adam's betas: one pair for all models, or one pair per model."""
-    if (
-        isinstance(value, Sequence)
-        and len(value) == 2
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
-    ):
+    if isinstance(value, Sequence) and len(value) == 2 and all(is_number(v) for v in value):
         pair = (float(value[0]), float(value[1]))
         return [pair] * num_models
     if not isinstance(value, Sequence) or isinstance(value, str):

@@ -32,8 +32,8 @@ def _best(records: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, 
     """Per model and N, each strategy's record at its fastest thread count."""
     out: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for (model, n, _), recs in _by(records).items():
+        slot = out.setdefault((model, n), {})
         for r in recs.values():
-            slot = out.setdefault((model, n), {})
             old = slot.get(r["strategy"])
             if old is None or r["iter_time_s"] < old["iter_time_s"]:
                 slot[r["strategy"]] = r

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from plait.fused.hparams import PerModel
+from plait.fused.hparams import PerModel, is_number
 from plait.fused.optim.base import FusedOptimizer
 
 
@@ -123,18 +123,18 @@ class FusedAdam(FusedOptimizer):
         change is seen.
         """
         betas, eps, wd, lr = group["betas"], group["eps"], group["weight_decay"], group["lr"]
-        if not _FUSED_KERNEL or group["amsgrad"] or not (_number(eps) and _number(wd)) or wd:
+        if not _FUSED_KERNEL or group["amsgrad"] or not (is_number(eps) and is_number(wd)) or wd:
             return None
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             return None
-        if not (_number(betas[0]) and _number(betas[1])):
+        if not (is_number(betas[0]) and is_number(betas[1])):
             return None
         key: Any = lr
         if isinstance(lr, list | tuple):
-            if not all(_number(a) for a in lr):
+            if not all(is_number(a) for a in lr):
                 return None
             key = tuple(lr)
-        elif not _number(lr):
+        elif not is_number(lr):
             return None
         key = (key, self.num_models)
         if self._lr_cache is None or self._lr_cache[0] != key:
@@ -169,10 +169,6 @@ class FusedAdam(FusedOptimizer):
 
 
 _FUSED_KERNEL = hasattr(torch, "_fused_adam_")
-
-
-def _number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def _uniform(*values: list[float]) -> bool:
