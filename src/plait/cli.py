@@ -259,6 +259,9 @@ def _add_bench_fused_parser(sub: Any) -> None:
     f.add_argument("--stock-adam", default="fused", choices=["fused", "foreach", "for-loop"],
                    help="torch.optim.Adam implementation of the serial, concurrent and vmap "
                         "strategies (default: fused, the kernel FusedAdam runs too)")  # fmt: skip
+    f.add_argument("--no-native", action="store_true",
+                   help="fused arrays on torch's kernels only, without plait's native CPU "
+                        "kernels (plait.fused.native)")  # fmt: skip
 
 
 def _split_specs(text: str) -> list[str]:
@@ -560,7 +563,7 @@ def cmd_bench_fused(args: argparse.Namespace) -> int:
         strategies=tuple(Strategy(s.strip()) for s in args.strategies.split(",") if s.strip()),
         steps=args.steps, rounds=args.rounds, warmup=args.warmup, threads=args.threads,
         batch_size=args.batch_size, device=args.device, tune_malloc=not args.default_malloc,
-        stock_adam=StockAdam(args.stock_adam),
+        stock_adam=StockAdam(args.stock_adam), native_kernels=not args.no_native,
     )  # fmt: skip
     records = run_bench_fused(cfg)
     print(markdown_table(records))

@@ -126,7 +126,8 @@ def markdown_report(records: Sequence[dict[str, Any]]) -> str:
                f"({mach['processor']}), device {first['device']}, "
                f"intra-op threads per process as in the tables, glibc malloc thresholds "
                f"{'raised' if first.get('malloc_tuned') else 'default'}, stock Adam "
-               f"{first.get('stock_adam', 'for-loop')}\n")  # fmt: skip
+               f"{first.get('stock_adam', 'for-loop')}, plait's native kernels "
+               f"{'on' if first.get('native_kernels') else 'off'}\n")  # fmt: skip
     return md
 
 

@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from plait._proc import usable_cpus
+from plait.fused import native
 from plait.fused.bench.models import get_model
 from plait.fused.bench.strategies import Runner, StockAdam, Strategy, make_runner
 from plait.fused.malloc import tune_malloc
@@ -54,6 +55,9 @@ class BenchConfig:
             (see `plait.fused.malloc`).
         stock_adam: the implementation of `torch.optim.Adam` the serial, concurrent and
             vmap strategies use (see `StockAdam`).
+        native_kernels: let fused arrays use plait's native CPU kernels
+            (`plait.fused.native`); off, they run on torch's kernels only, which shows
+            how much of the fused strategy's lead those kernels make.
     """
 
     models: Sequence[str] = ("mlp", "cnn", "transformer")
@@ -67,6 +71,7 @@ class BenchConfig:
     device: str = "cpu"
     tune_malloc: bool = True
     stock_adam: StockAdam = StockAdam.FUSED
+    native_kernels: bool = True
 
     def __post_init__(self) -> None:
         for m in self.models:
@@ -83,6 +88,8 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
     (`fastest_threads`) comes first, and `speedup_vs_fastest_serial` compares with the
     serial strategy at its own fastest count."""
     before = torch.get_num_threads()
+    native_before = native.set_enabled(cfg.native_kernels)
+    uses_native = cfg.native_kernels and cfg.device == "cpu" and native.unavailable_reason() is None
     tuned = cfg.tune_malloc and tune_malloc()
     records: list[dict[str, object]] = []
     try:
@@ -115,7 +122,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
                         "speedup_vs_fastest_serial":
                             None if best_serial is None else medians[best_serial] / step,
                         "steps": cfg.steps, "rounds": cfg.rounds, "malloc_tuned": tuned,
-                        "stock_adam": cfg.stock_adam.value,
+                        "stock_adam": cfg.stock_adam.value, "native_kernels": uses_native,
                     })  # fmt: skip
                 # Each strategy's record at its fastest thread count comes first: that is
                 # the whole-machine comparison, which readers of the JSON meet first.
@@ -124,6 +131,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
         bar.close()
     finally:
         torch.set_num_threads(before)
+        native.set_enabled(native_before)
     return records
 
 

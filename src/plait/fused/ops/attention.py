@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.fused import native
 from plait.fused.errors import UnsupportedLayerError
 from plait.fused.ops.base import FusedModule, check_same, stack_parameter
 from plait.fused.ops.linear import FusedLinear, batched_linear
@@ -156,10 +157,14 @@ def small_attention_applies(
 def packed_attention(qkv: torch.Tensor, *, heads: int, mask: torch.Tensor | None) -> torch.Tensor:
     """Self-attention over a packed [batch, T, 3E] projection (q, k, v in turn, each H
     heads of E/H) -> [batch, T, E]; `mask` is additive, [batch, H, T, T] or broadcastable
-    to it. Only for blocks `small_attention_applies` to."""
+    to it. Only for blocks `small_attention_applies` to. float32 on a CPU runs the native
+    kernel (`plait.fused.native`) where it is available."""
     if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads):
         raise AssertionError(f"packed attention needs [batch, T, 3E] with E % heads == 0, got "
                              f"{tuple(qkv.shape)} and {heads} heads")  # fmt: skip
+    lib = native.attention_kernels(qkv, heads=heads, mask=mask)
+    if lib is not None:
+        return native.packed_attention(qkv, heads=heads, mask=mask, lib=lib)
     if mask is not None:
         mask = mask.expand(qkv.shape[0], heads, qkv.shape[1], qkv.shape[1])
     d = qkv.shape[-1] // (3 * heads)

@@ -1,0 +1,30 @@
+"""Native CPU kernels for the narrow layers of fused arrays: attention and layer norm.
+
+A fused array of sweep-sized Transformers hands torch thousands of tiny problems per
+call: 16 models x 32 sequences x 2 heads of 16 x 16 attention blocks, or rows of 16 to
+normalise. torch's CPU kernels pay a fixed cost per block or row there (batched matmuls
+about 100 ns per block, layer norm about 25 ns per row, measured), which fusing cannot
+amortise. These kernels hold one problem in registers and vectorise across it; the
+fused layers call them when they apply and keep their torch path otherwise
+(`PLAIT_NATIVE=0` or `set_enabled(False)` forces the torch path everywhere).
+"""
+
+from __future__ import annotations
+
+from plait.fused.native.build import enabled, set_enabled, unavailable_reason
+from plait.fused.native.functions import (
+    attention_kernels,
+    layer_norm,
+    layer_norm_kernels,
+    packed_attention,
+)
+
+__all__ = [
+    "attention_kernels",
+    "enabled",
+    "layer_norm",
+    "layer_norm_kernels",
+    "packed_attention",
+    "set_enabled",
+    "unavailable_reason",
+]

@@ -1,0 +1,281 @@
+/* CPU kernels for the narrow layers of sweep-sized models, fused over B models.
+ *
+ * A fused array calls each of these once for all B models, so a call holds thousands of
+ * tiny problems (a 16 x 16 attention block, a 16-wide layer-norm row). torch's CPU kernels
+ * spend most of their time per problem there, not per element. These kernels keep one
+ * problem in registers and vectorise across it. Sizes are compile-time constants
+ * (plait.fused.native.build compiles one library per size), so every inner loop has a
+ * fixed trip count that the compiler unrolls and vectorises.
+ *
+ * Threads: the loops use OpenMP, linked against the OpenMP runtime torch already loaded,
+ * with the thread count torch uses passed in.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+#ifndef SEQ
+#define SEQ 16 /* attention: sequence length T (= S, self-attention) */
+#endif
+#ifndef HEAD
+#define HEAD 8 /* attention: head width d */
+#endif
+#ifndef WIDTH
+#define WIDTH 16 /* layer norm: normalised size */
+#endif
+
+/* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite, ln2 split in two),
+ * then a degree-7 Taylor polynomial in r (error below r^8 / 8! ~ 5e-9 relative), scaled by
+ * 2^n through the exponent bits. Written without branches or calls so that loops calling
+ * it vectorise. */
+static inline float exp_nonpos(float x) {
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    /* Clamp to -87 (exp(-87) = 1.6e-38, still a normal float) by bit pattern: for x <= 0
+     * a larger unsigned pattern is a more negative float, and -inf maps to -87 as well.
+     * An integer minimum vectorises where a float select does not. */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = u < 0xC2AE0000u ? u : 0xC2AE0000u;
+    float xc;
+    memcpy(&xc, &u, sizeof xc);
+    const int32_t ni = (int32_t)(xc * log2e - 0.5f); /* round(x / ln2): truncates a value <= -0.5 */
+    const float n = (float)ni;
+    const float r = xc - n * ln2_hi - n * ln2_lo;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (ni + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* out[r][c] = sum over `outer` of coef * term, for the SEQ rows r = `row` of a block:
+ * one row of `term` (HEAD wide) per step, scaled by a scalar broadcast of `coef`, into
+ * SEQ independent accumulator rows `acc`, then stored as rows of `stride`. Reading coef
+ * from the transposed P or dS this way leaves nothing to transpose back. */
+#define ROWS_PRODUCT(out, stride, coef, term, outer, row)                     \
+    for (i64 r_ = 0; r_ < SEQ; r_++) {                                         \
+        _Pragma("omp simd") for (i64 c = 0; c < HEAD; c++) acc[r_][c] = 0.0f;  \
+    }                                                                          \
+    for (i64 outer = 0; outer < SEQ; outer++)                                  \
+        for (i64 row = 0; row < SEQ; row++) {                                  \
+            const float s_ = coef;                                             \
+            _Pragma("omp simd") for (i64 c = 0; c < HEAD; c++)                 \
+                acc[row][c] += s_ * term;                                      \
+        }                                                                      \
+    for (i64 r_ = 0; r_ < SEQ; r_++) {                                         \
+        _Pragma("omp simd") for (i64 c = 0; c < HEAD; c++)                     \
+            out[r_ * stride + c] = acc[r_][c];                                 \
+    }
+
+/* Self-attention over a packed projection: qkv [nb, SEQ, 3E] holds q, k and v in turn, each
+ * `heads` heads of HEAD; out [nb, SEQ, E] gets the heads side by side; probs [nb, heads,
+ * SEQ, SEQ] keeps the probabilities for the backward, transposed (key-major). `mask` is an
+ * optional additive [nb, heads, SEQ, SEQ] mask given by element strides (0 to broadcast).
+ *
+ * One (sequence, head) block per iteration. Scores are held transposed, st[j][i] for key j
+ * and query i, so that every loop runs over the query index: softmax's maximum and sum
+ * become element-wise vector updates instead of per-row horizontal reductions, and each
+ * product is a chain of independent vector multiply-adds. */
+void attention_forward(const float *restrict qkv, const float *restrict mask, i64 m0, i64 m1,
+                       i64 m2, i64 m3, float *restrict out, float *restrict probs, i64 nb,
+                       i64 heads, float scale, int threads) {
+    const i64 e = heads * HEAD, rs = 3 * e;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 blk = 0; blk < nb * heads; blk++) {
+        const i64 b = blk / heads, h = blk % heads;
+        const float *q = qkv + b * SEQ * rs + h * HEAD, *k = q + e, *v = q + 2 * e;
+        float qt[HEAD][SEQ], st[SEQ][SEQ], acc[SEQ][HEAD], mx[SEQ], sum[SEQ];
+        for (i64 i = 0; i < SEQ; i++)
+            for (i64 c = 0; c < HEAD; c++) qt[c][i] = q[i * rs + c];
+        for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) st[j][i] = 0.0f;
+            for (i64 c = 0; c < HEAD; c++) {
+                const float kc = k[j * rs + c];
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++) st[j][i] += kc * qt[c][i];
+            }
+        }
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) {
+            mx[i] = -INFINITY;
+            sum[i] = 0.0f;
+        }
+        for (i64 j = 0; j < SEQ; j++) {
+            if (mask) {
+                const float *mj = mask + b * m0 + h * m1 + j * m3;
+                for (i64 i = 0; i < SEQ; i++) st[j][i] = st[j][i] * scale + mj[i * m2];
+            } else {
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++) st[j][i] *= scale;
+            }
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) mx[i] = st[j][i] > mx[i] ? st[j][i] : mx[i];
+        }
+        for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) {
+                st[j][i] = exp_nonpos(st[j][i] - mx[i]);
+                sum[i] += st[j][i];
+            }
+        }
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) sum[i] = 1.0f / sum[i];
+        float *p = probs + blk * SEQ * SEQ;
+        for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) {
+                st[j][i] *= sum[i];
+                p[j * SEQ + i] = st[j][i];
+            }
+        }
+        float *o = out + b * SEQ * e + h * HEAD;
+        ROWS_PRODUCT(o, e, st[j][i], v[j * rs + c], j, i) /* out[i] = sum_j P[i][j] V[j] */
+    }
+}
+
+/* The backward of attention_forward: grad [nb, SEQ, E] -> dqkv [nb, SEQ, 3E], with
+ * dS = P * (dP - rowsum(P * dP)) * scale, dQ = dS K, dK = dS^T Q and dV = P^T G. dP and dS
+ * are formed transposed, as the forward's scores, vectorised over queries. */
+void attention_backward(const float *restrict qkv, const float *restrict probs,
+                        const float *restrict grad, float *restrict dqkv, i64 nb, i64 heads,
+                        float scale, int threads) {
+    const i64 e = heads * HEAD, rs = 3 * e;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 blk = 0; blk < nb * heads; blk++) {
+        const i64 b = blk / heads, h = blk % heads;
+        const float *q = qkv + b * SEQ * rs + h * HEAD, *k = q + e, *v = q + 2 * e;
+        const float *pt = probs + blk * SEQ * SEQ;
+        const float *g = grad + b * SEQ * e + h * HEAD;
+        float *dq = dqkv + b * SEQ * rs + h * HEAD, *dk = dq + e, *dv = dq + 2 * e;
+        float gt[HEAD][SEQ], dst[SEQ][SEQ], acc[SEQ][HEAD], dot[SEQ];
+        for (i64 i = 0; i < SEQ; i++)
+            for (i64 c = 0; c < HEAD; c++) gt[c][i] = g[i * e + c];
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) dot[i] = 0.0f;
+        for (i64 j = 0; j < SEQ; j++) { /* dP^T[j][i] = sum_c V[j][c] G[i][c] */
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) dst[j][i] = 0.0f;
+            for (i64 c = 0; c < HEAD; c++) {
+                const float vc = v[j * rs + c];
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++) dst[j][i] += vc * gt[c][i];
+            }
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) dot[i] += pt[j * SEQ + i] * dst[j][i];
+        }
+        for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++)
+                dst[j][i] = pt[j * SEQ + i] * (dst[j][i] - dot[i]) * scale;
+        }
+        /* dQ[i] = sum_j dS[i][j] K[j], dK[j] = sum_i dS[i][j] Q[i], dV[j] = sum_i P[i][j] G[i]:
+           each a row of K, Q or G per step into SEQ independent rows, read from the
+           transposed dS and P by scalar broadcasts, so nothing is transposed back. */
+        ROWS_PRODUCT(dq, rs, dst[j][i], k[j * rs + c], j, i)
+        ROWS_PRODUCT(dk, rs, dst[j][i], q[i * rs + c], i, j)
+        ROWS_PRODUCT(dv, rs, pt[j * SEQ + i], g[i * e + c], i, j)
+    }
+}
+
+/* Layer norm of WIDTH-wide rows with each model's own affine: x [models, rows, WIDTH],
+ * weight and bias [models, WIDTH] (either may be NULL); keeps each row's mean and
+ * 1 / std for the backward. Two passes over the row (mean, then variance about it). */
+void layer_norm_forward(const float *restrict x, const float *restrict weight,
+                        const float *restrict bias, float *restrict y, float *restrict mean,
+                        float *restrict rstd, i64 models, i64 rows, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 r = 0; r < models * rows; r++) {
+        const i64 m = r / rows;
+        const float *xr = x + r * WIDTH;
+        float *yr = y + r * WIDTH;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (i64 c = 0; c < WIDTH; c++) s += xr[c];
+        const float mu = s / (float)WIDTH;
+        float var = 0.0f;
+#pragma omp simd reduction(+ : var)
+        for (i64 c = 0; c < WIDTH; c++) var += (xr[c] - mu) * (xr[c] - mu);
+        const float rs = 1.0f / sqrtf(var / (float)WIDTH + eps);
+        mean[r] = mu;
+        rstd[r] = rs;
+        const float *w = weight ? weight + m * WIDTH : 0, *bb = bias ? bias + m * WIDTH : 0;
+#pragma omp simd
+        for (i64 c = 0; c < WIDTH; c++) {
+            const float z = (xr[c] - mu) * rs;
+            yr[c] = (w ? z * w[c] : z) + (bb ? bb[c] : 0.0f);
+        }
+    }
+}
+
+/* The backward of layer_norm_forward. With xh the normalised row and gw = g * weight:
+ * dx = rstd * (gw - mean(gw) - xh * mean(gw * xh)); dweight and dbias sum g * xh and g
+ * over each model's rows, into per-thread partial sums added up at the end (a model's
+ * rows may span threads). */
+void layer_norm_backward(const float *restrict grad, const float *restrict x,
+                         const float *restrict mean, const float *restrict rstd,
+                         const float *restrict weight, float *restrict dx,
+                         float *restrict dweight, float *restrict dbias, i64 models, i64 rows,
+                         int threads) {
+    const i64 per = models * WIDTH;
+    float *part = 0;
+    if (dweight || dbias) {
+        part = calloc((size_t)(threads * 2 * per), sizeof(float));
+        if (!part) abort();
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        float *pw = part ? part + (i64)omp_get_thread_num() * 2 * per : 0;
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < models * rows; r++) {
+            const i64 m = r / rows;
+            const float *gr = grad + r * WIDTH, *xr = x + r * WIDTH;
+            const float *w = weight ? weight + m * WIDTH : 0;
+            const float mu = mean[r], rs = rstd[r];
+            float xh[WIDTH], gw[WIDTH], s1 = 0.0f, s2 = 0.0f;
+#pragma omp simd reduction(+ : s1, s2)
+            for (i64 c = 0; c < WIDTH; c++) {
+                xh[c] = (xr[c] - mu) * rs;
+                gw[c] = w ? gr[c] * w[c] : gr[c];
+                s1 += gw[c];
+                s2 += gw[c] * xh[c];
+            }
+            s1 /= (float)WIDTH;
+            s2 /= (float)WIDTH;
+            float *dr = dx + r * WIDTH;
+#pragma omp simd
+            for (i64 c = 0; c < WIDTH; c++) dr[c] = rs * (gw[c] - s1 - xh[c] * s2);
+            if (pw) {
+                float *a = pw + m * WIDTH, *bsum = pw + per + m * WIDTH;
+#pragma omp simd
+                for (i64 c = 0; c < WIDTH; c++) {
+                    a[c] += gr[c] * xh[c];
+                    bsum[c] += gr[c];
+                }
+            }
+        }
+    }
+    if (part) {
+        for (i64 i = 0; i < per; i++) {
+            float a = 0.0f, bsum = 0.0f;
+            for (int t = 0; t < threads; t++) {
+                a += part[t * 2 * per + i];
+                bsum += part[t * 2 * per + per + i];
+            }
+            if (dweight) dweight[i] = a;
+            if (dbias) dbias[i] = bsum;
+        }
+        free(part);
+    }
+}

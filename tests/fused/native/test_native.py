@@ -1,0 +1,214 @@
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.fused import native
+from plait.fused.native import build
+from plait.fused.ops.attention import packed_attention
+from plait.fused.ops.norm import FusedLayerNorm
+from tests.fused.helpers import RTOL, rel_err, train_both
+
+REASON = native.unavailable_reason()
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"native kernels: {REASON}")
+
+# fp32 kernels against a float64 reference: a 16-term dot product or softmax sum in fp32
+# rounds to a few ulps (~1e-7 each); 1e-5 relative leaves room for the longest sums here
+# (32 keys, 64-wide rows) without letting a wrong index or a missing term through, which
+# shows up at 1e-2 or more.
+FP32_RTOL = 1e-5
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty library cache and no libraries loaded, restored afterwards."""
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    saved = dict(build._libraries)
+    build._libraries.clear()
+    monkeypatch.setitem(build._state, "warned", False)
+    yield tmp_path / "native"
+    build._libraries.clear()
+    build._libraries.update(saved)
+
+
+def _reference_attention(qkv: torch.Tensor, heads: int, mask: torch.Tensor | None) -> torch.Tensor:
+    q, k, v = (x.unflatten(-1, (heads, -1)).transpose(1, 2) for x in qkv.chunk(3, dim=-1))
+    return F.scaled_dot_product_attention(q, k, v, mask).transpose(1, 2).flatten(2)
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "d", "heads"), [(16, 8, 2), (5, 3, 3), (1, 4, 1), (32, 16, 2)])
+@pytest.mark.parametrize("mask_heads", [None, 1, "all", "padding"])
+def test_attention_kernel_matches_torch(t: int, d: int, heads: int, mask_heads: object) -> None:
+    torch.manual_seed(0)
+    batch = 6
+    qkv = torch.randn(batch, t, 3 * heads * d, requires_grad=True)
+    mask = None
+    if mask_heads == 1:
+        mask = torch.randn(batch, 1, t, t)
+    elif mask_heads == "all":
+        mask = torch.randn(batch, heads, t, t)
+    elif mask_heads == "padding":  # -inf on the last key of every sequence but length-1 ones
+        mask = torch.zeros(batch, 1, 1, t)
+        if t > 1:
+            mask[..., -1] = float("-inf")
+    lib = native.attention_kernels(qkv, heads=heads, mask=mask)
+    assert lib is not None
+    ours = native.packed_attention(qkv, heads=heads, mask=mask, lib=lib)
+    ref_in = qkv.detach().double().requires_grad_()
+    ref = _reference_attention(ref_in, heads, None if mask is None else mask.double())
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(ours, qkv, g.float())
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, g)
+    assert rel_err(ours, ref) <= FP32_RTOL
+    assert rel_err(grad, ref_grad) <= FP32_RTOL
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 5, 16, 64])
+@pytest.mark.parametrize(("weight", "bias"), [(True, True), (True, False), (False, False)])
+def test_layer_norm_kernel_matches_torch(width: int, weight: bool, bias: bool) -> None:
+    torch.manual_seed(0)
+    models = 3
+    x = (torch.randn(models, 4, 7, width) * 3 + 1).requires_grad_()
+    w = torch.randn(models, width, requires_grad=True) if weight else None
+    b = torch.randn(models, width, requires_grad=True) if bias else None
+    lib = native.layer_norm_kernels(x, width=width, weight=w, bias=b)
+    assert lib is not None
+    ours = native.layer_norm(x, width=width, weight=w, bias=b, eps=1e-5, lib=lib)
+    inputs = [t for t in (x, w, b) if t is not None]
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = F.layer_norm(ref_inputs[0], (width,), None, None, 1e-5)
+    if weight:
+        ref = ref * ref_inputs[1].view(models, 1, 1, width)
+    if bias:
+        ref = ref + ref_inputs[2].view(models, 1, 1, width)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(ours, inputs, g.float())
+    ref_grads = torch.autograd.grad(ref, ref_inputs, g)
+    assert rel_err(ours, ref) <= FP32_RTOL
+    for a, r in zip(grads, ref_grads, strict=True):
+        # width 1 normalises every row to 0: its input gradient is 0 up to rounding
+        assert rel_err(a, r) <= FP32_RTOL or (width == 1 and a.abs().max() < 1e-5)
+
+
+@needs_native
+def test_threads_change_nothing_but_summation_order() -> None:
+    torch.manual_seed(0)
+    qkv = torch.randn(64, 16, 48, requires_grad=True)
+    x = torch.randn(4, 64, 16, requires_grad=True)
+    w = torch.randn(4, 16, requires_grad=True)
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            lib = native.attention_kernels(qkv, heads=2, mask=None)
+            ln = native.layer_norm_kernels(x, width=16, weight=w, bias=None)
+            assert lib is not None and ln is not None
+            out = native.packed_attention(qkv, heads=2, mask=None, lib=lib)
+            y = native.layer_norm(x, width=16, weight=w, bias=None, eps=1e-5, lib=ln)
+            grads = torch.autograd.grad((out.square().sum() + y.square().sum()), (qkv, x, w))
+            runs.append((out, y, *grads))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*runs, strict=True):
+        # blocks and rows are independent; only the weight gradient's per-thread partial
+        # sums are added in another order
+        assert rel_err(a, b) <= 1e-6
+
+
+@needs_native
+@pytest.mark.parametrize("use_native", [True, False])
+def test_transformer_layer_trains_like_stock_with_and_without_native(use_native: bool) -> None:
+    def factory() -> nn.Module:
+        return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                          norm_first=True)  # fmt: skip
+
+    def feats(b: int) -> torch.Tensor:
+        return torch.randn(b, 4, 16, 16)
+
+    before = native.set_enabled(use_native)
+    try:
+        assert train_both(factory, feats) <= RTOL
+    finally:
+        native.set_enabled(before)
+
+
+def test_kernels_apply_only_where_they_exist() -> None:
+    qkv = torch.randn(2, 16, 48)
+    before = native.set_enabled(False)
+    try:
+        assert native.attention_kernels(qkv, heads=2, mask=None) is None
+        assert native.layer_norm_kernels(qkv, width=48, weight=None, bias=None) is None
+    finally:
+        native.set_enabled(before)
+    for x in (qkv.double(), torch.randn(2, 33, 48), torch.randn(2, 4, 3 * 65)):
+        assert native.attention_kernels(x, heads=1, mask=None) is None
+    assert native.attention_kernels(qkv, heads=2, mask=torch.zeros(2, 1, 16, 16).double()) is None
+    assert native.layer_norm_kernels(qkv, width=65, weight=None, bias=None) is None
+    assert native.layer_norm_kernels(qkv.double(), width=48, weight=None, bias=None) is None
+
+
+def test_float64_layer_norm_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(**sizes: int) -> None:
+        raise AssertionError(f"native kernels asked for on float64 ({sizes})")
+
+    monkeypatch.setattr("plait.fused.native.functions.load", refuse)
+    fused = FusedLayerNorm.from_modules([nn.LayerNorm(8).double() for _ in range(2)])
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    ref = torch.stack([F.layer_norm(x[i], (8,)) for i in range(2)])
+    assert rel_err(fused(x), ref) <= 1e-12
+
+
+def test_switched_off_by_environment() -> None:
+    code = "from plait.fused import native; print(native.enabled())"
+    env = {"PLAIT_NATIVE": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "False"
+
+
+@needs_native
+def test_built_once_then_loaded_from_the_cache(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert build.load(SEQ=4, HEAD=2) is not None
+    assert len(list(fresh_cache.glob("kernels-*.so"))) == 1
+    assert not list(fresh_cache.glob(".*.tmp"))  # the temporary file was renamed away
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cached library was rebuilt")
+
+    build._libraries.clear()
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert build.load(SEQ=4, HEAD=2) is not None
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build.load(SEQ=4, HEAD=3)  # another size is another library
+
+
+@needs_native
+def test_failed_build_falls_back_with_one_warning(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(build, "compiler", lambda: "/bin/false")
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.load(SEQ=4, HEAD=2) is None
+        assert build.load(SEQ=5, HEAD=2) is None
+    warnings = [r for r in caplog.records if "native kernels unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "exited 1" in warnings[0].getMessage()
+    assert not list(fresh_cache.glob("*"))
+    # the layers keep working on torch's kernels
+    qkv = torch.randn(3, 4, 12, requires_grad=True)
+    out = packed_attention(qkv, heads=2, mask=None)
+    assert rel_err(out, _reference_attention(qkv, 2, None)) <= FP32_RTOL
+    assert math.isfinite(out.sum().item())
