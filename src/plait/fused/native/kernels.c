@@ -59,6 +59,29 @@ static inline float exp_nonpos(float x) {
     return p * two_n;
 }
 
+/* dst[c][i] = src[i * stride + c]: a block's SEQ rows of HEAD, transposed. */
+static inline void load_transposed(const float *restrict src, i64 stride,
+                                   float dst[restrict HEAD][SEQ]) {
+    for (i64 i = 0; i < SEQ; i++)
+        for (i64 c = 0; c < HEAD; c++) dst[c][i] = src[i * stride + c];
+}
+
+/* out[j][i] = sum_c rows[j * stride + c] * cols[c][i], vectorised over i: one scalar of
+ * `rows` times one row of the transposed `cols` per step. */
+static inline void transposed_product(const float *restrict rows, i64 stride,
+                                      const float cols[restrict HEAD][SEQ],
+                                      float out[restrict SEQ][SEQ]) {
+    for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) out[j][i] = 0.0f;
+        for (i64 c = 0; c < HEAD; c++) {
+            const float r = rows[j * stride + c];
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) out[j][i] += r * cols[c][i];
+        }
+    }
+}
+
 /* out[r][c] = sum over `outer` of coef * term, for the SEQ rows r = `row` of a block:
  * one row of `term` (HEAD wide) per step, scaled by a scalar broadcast of `coef`, into
  * SEQ independent accumulator rows `acc`, then stored as rows of `stride`. Reading coef
@@ -96,17 +119,8 @@ void attention_forward(const float *restrict qkv, const float *restrict mask, i6
         const i64 b = blk / heads, h = blk % heads;
         const float *q = qkv + b * SEQ * rs + h * HEAD, *k = q + e, *v = q + 2 * e;
         float qt[HEAD][SEQ], st[SEQ][SEQ], acc[SEQ][HEAD], mx[SEQ], sum[SEQ];
-        for (i64 i = 0; i < SEQ; i++)
-            for (i64 c = 0; c < HEAD; c++) qt[c][i] = q[i * rs + c];
-        for (i64 j = 0; j < SEQ; j++) {
-#pragma omp simd
-            for (i64 i = 0; i < SEQ; i++) st[j][i] = 0.0f;
-            for (i64 c = 0; c < HEAD; c++) {
-                const float kc = k[j * rs + c];
-#pragma omp simd
-                for (i64 i = 0; i < SEQ; i++) st[j][i] += kc * qt[c][i];
-            }
-        }
+        load_transposed(q, rs, qt);
+        transposed_product(k, rs, qt, st); /* st[j][i] = K[j] . Q[i] */
 #pragma omp simd
         for (i64 i = 0; i < SEQ; i++) {
             mx[i] = -INFINITY;
@@ -160,18 +174,11 @@ void attention_backward(const float *restrict qkv, const float *restrict probs,
         const float *g = grad + b * SEQ * e + h * HEAD;
         float *dq = dqkv + b * SEQ * rs + h * HEAD, *dk = dq + e, *dv = dq + 2 * e;
         float gt[HEAD][SEQ], dst[SEQ][SEQ], acc[SEQ][HEAD], dot[SEQ];
-        for (i64 i = 0; i < SEQ; i++)
-            for (i64 c = 0; c < HEAD; c++) gt[c][i] = g[i * e + c];
+        load_transposed(g, e, gt);
+        transposed_product(v, rs, gt, dst); /* dst[j][i] = dP[i][j] = V[j] . G[i] */
 #pragma omp simd
         for (i64 i = 0; i < SEQ; i++) dot[i] = 0.0f;
-        for (i64 j = 0; j < SEQ; j++) { /* dP^T[j][i] = sum_c V[j][c] G[i][c] */
-#pragma omp simd
-            for (i64 i = 0; i < SEQ; i++) dst[j][i] = 0.0f;
-            for (i64 c = 0; c < HEAD; c++) {
-                const float vc = v[j * rs + c];
-#pragma omp simd
-                for (i64 i = 0; i < SEQ; i++) dst[j][i] += vc * gt[c][i];
-            }
+        for (i64 j = 0; j < SEQ; j++) {
 #pragma omp simd
             for (i64 i = 0; i < SEQ; i++) dot[i] += pt[j * SEQ + i] * dst[j][i];
         }
