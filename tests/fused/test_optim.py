@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.fused import FusedAdagrad, FusedAdam, FusedAdamW, FusedRMSprop, FusedSGD
+from plait.fused import FusedAdagrad, FusedAdam, FusedAdamW, FusedRMSprop, FusedSGD, native
 from plait.fused.optim import FusedOptimizer
 from tests.fused.helpers import RTOL, build, rel_err
 
@@ -108,12 +108,15 @@ def test_fused_optimizer_matches_stock_on_a_cnn(name: str) -> None:
     assert run(fused_cls, stock_cls, kwargs, factory=cnn, x=torch.randn(B, 5, 2, 5, 5)) <= RTOL
 
 
-def test_gradients_with_any_strides_give_the_same_step() -> None:
-    # the step gathers gradients into one flat buffer through cached views; a gradient
-    # laid out differently from its parameter (set by hand, or by a custom backward)
-    # must be read by its strides, and the cached views must stay valid across steps
+@pytest.mark.parametrize("use_native", [False, True])
+def test_gradients_with_any_strides_give_the_same_step(use_native: bool) -> None:
+    # the flat step gathers gradients into one buffer through cached views, the native
+    # one reads them in place; a gradient laid out differently from its parameter (set
+    # by hand, or by a custom backward) must give the same step either way, and cached
+    # views must stay valid across steps
     grads = [torch.randn(B, 3, 5), torch.randn(B, 4)]
     results = []
+    native_before = native.set_enabled(use_native)
     for layout in ("contiguous", "strided"):
         params = [nn.Parameter(torch.ones(B, 3, 5)), nn.Parameter(torch.ones(B, 4))]
         opt = FusedAdam(params, lr=[0.1, 0.2, 0.3, 0.4])
@@ -124,6 +127,7 @@ def test_gradients_with_any_strides_give_the_same_step() -> None:
                 p.grad = g if layout == "contiguous" else strided
             opt.step()
         results.append([p.detach().clone() for p in params])
+    native.set_enabled(native_before)
     last = params[0].grad
     assert last is not None and not last.is_contiguous()  # the strided case is strided
     for a, b in zip(*results, strict=True):

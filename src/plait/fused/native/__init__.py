@@ -1,4 +1,4 @@
-"""Native CPU kernels for the narrow layers of fused arrays: attention and layer norm.
+"""Native CPU kernels for fused arrays: narrow attention and layer norm, and Adam's step.
 
 A fused array of sweep-sized Transformers hands torch thousands of tiny problems per
 call: 16 models x 32 sequences x 2 heads of 16 x 16 attention blocks, or rows of 16 to
@@ -7,12 +7,20 @@ about 100 ns per block, layer norm about 25 ns per row, measured), which fusing 
 amortise. These kernels hold one problem in registers and vectorise across it; the
 fused layers call them when they apply and keep their torch path otherwise
 (`PLAIT_NATIVE=0` or `set_enabled(False)` forces the torch path everywhere).
+
+`FusedAdam` uses the Adam kernel for the common sweep case (per-model learning rates,
+everything else shared): it reads each gradient where autograd left it and updates each
+parameter where it lives, one pass where torch's fused kernel, which takes one learning
+rate, needs the gradients gathered into a flat buffer and the per-model update scattered
+back.
 """
 
 from __future__ import annotations
 
 from plait.fused.native.build import enabled, set_enabled, unavailable_reason
 from plait.fused.native.functions import (
+    adam_kernels,
+    adam_step,
     attention_kernels,
     layer_norm,
     layer_norm_kernels,
@@ -20,6 +28,8 @@ from plait.fused.native.functions import (
 )
 
 __all__ = [
+    "adam_kernels",
+    "adam_step",
     "attention_kernels",
     "enabled",
     "layer_norm",

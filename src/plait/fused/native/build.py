@@ -38,7 +38,7 @@ ENV_SWITCH = "PLAIT_NATIVE"
 #: Environment override of the cache folder (default: $XDG_CACHE_HOME/plait or ~/.cache/plait).
 ENV_CACHE = "PLAIT_CACHE_DIR"
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp")
 #: Longest a build may take before the kernels are given up on.
 BUILD_TIMEOUT_S = 120.0
 
@@ -48,6 +48,7 @@ _SIGNATURES = {
     "attention_backward": [_P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "layer_norm_forward": [_P, _P, _P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "layer_norm_backward": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "adam_step": [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _F32, _F32, _F32, _F32, _INT],
 }
 
 _lock = threading.Lock()
@@ -68,7 +69,8 @@ def set_enabled(flag: bool) -> bool:
 
 
 def load(**sizes: int) -> ctypes.CDLL | None:
-    """The kernels compiled for `sizes` (SEQ, HEAD or WIDTH), or None where unavailable.
+    """The kernels compiled for `sizes` (SEQ, HEAD or WIDTH; none for the size-free
+    optimizer kernel), or None where unavailable.
 
     The first call for a size builds or finds the library; a failure is logged once and
     remembered, and the caller falls back to torch.

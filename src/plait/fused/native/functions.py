@@ -9,6 +9,7 @@ path when it returns None.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any
 
@@ -168,3 +169,45 @@ def layer_norm(
     b = None if bias is None else bias.reshape(models, width)
     y: torch.Tensor = AffineLayerNorm.apply(flat, w, b, eps, lib)
     return y.view(x.shape)
+
+
+def adam_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library serving `adam_step` over these tensors (float32, CPU, contiguous), or None."""
+    if not all(t.is_contiguous() for t in tensors) or not _is_cpu_f32(*tensors):
+        return None
+    return load()
+
+
+def adam_step(
+    lib: ctypes.CDLL,
+    *,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step_size: list[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    bc2_sqrt: float,
+) -> None:
+    """Adam over B models in place: params[i] and grads[i] are [B, ...], exp_avg and
+    exp_avg_sq flat [B, T] with the parameters side by side in order; model b moves by
+    step_size[b] (its lr / (1 - beta1^step)) times m / (sqrt(v) / bc2_sqrt + eps)."""
+    models, total = exp_avg.shape
+    sizes, offsets = _sizes_and_offsets(tuple(p.numel() // models for p in params))
+    n = len(params)
+    ptrs = ctypes.c_void_p * n
+    lib.adam_step(n, sizes, offsets,
+                  ptrs(*[p.data_ptr() for p in params]), ptrs(*[g.data_ptr() for g in grads]),
+                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), models, total,
+                  (ctypes.c_float * models)(*step_size), beta1, beta2, eps, bc2_sqrt,
+                  torch.get_num_threads())  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _sizes_and_offsets(sizes: tuple[int, ...]) -> tuple[ctypes.Array[ctypes.c_int64], ...]:
+    """Per-model parameter sizes and their column offsets in the flat state, as C arrays
+    (made once per layout: the step is called with the same layout every time)."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return (ctypes.c_int64 * len(sizes))(*sizes), (ctypes.c_int64 * len(sizes))(*offsets)

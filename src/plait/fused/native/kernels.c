@@ -286,3 +286,33 @@ void layer_norm_backward(const float *restrict grad, const float *restrict x,
         free(part);
     }
 }
+
+/* One Adam step for B models whose parameters differ only in learning rate: parameter i
+ * is params[i] [models, sizes[i]] with gradient grads[i]; exp_avg and exp_avg_sq are flat
+ * [models, total] buffers holding parameter i at column offsets[i]. step_size[b] is model
+ * b's lr / (1 - beta1^step), bc2_sqrt is sqrt(1 - beta2^step): torch's Adam update, with
+ * each model's rate applied in place. Gradients are read where autograd left them and
+ * parameters written where they live, so the step is one pass over its state instead of
+ * gathering gradients into a flat buffer and scattering an update back. */
+void adam_step(i64 nparams, const i64 *restrict sizes, const i64 *restrict offsets,
+               float *const *params, const float *const *grads, float *restrict exp_avg,
+               float *restrict exp_avg_sq, i64 models, i64 total,
+               const float *restrict step_size, float beta1, float beta2, float eps,
+               float bc2_sqrt, int threads) {
+#pragma omp parallel for num_threads(threads) collapse(2) schedule(dynamic, 1)
+    for (i64 i = 0; i < nparams; i++)
+        for (i64 b = 0; b < models; b++) {
+            const i64 n = sizes[i];
+            float *restrict p = params[i] + b * n;
+            const float *restrict g = grads[i] + b * n;
+            float *restrict m = exp_avg + b * total + offsets[i];
+            float *restrict v = exp_avg_sq + b * total + offsets[i];
+            const float lr = step_size[b];
+#pragma omp simd
+            for (i64 k = 0; k < n; k++) {
+                m[k] = beta1 * m[k] + (1.0f - beta1) * g[k];
+                v[k] = beta2 * v[k] + (1.0f - beta2) * g[k] * g[k];
+                p[k] -= lr * m[k] / (sqrtf(v[k]) / bc2_sqrt + eps);
+            }
+        }
+}

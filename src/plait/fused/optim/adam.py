@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from plait.fused import native
 from plait.fused.hparams import PerModel, is_number
-from plait.fused.optim.base import FusedOptimizer
+from plait.fused.optim.base import FusedOptimizer, _Layout
 
 
 class FusedAdam(FusedOptimizer):
@@ -44,6 +45,32 @@ class FusedAdam(FusedOptimizer):
 
     def lazy_state_keys(self) -> tuple[str, ...]:
         return ("max_exp_avg_sq",)
+
+    def step_in_place(
+        self, group: dict[str, Any], layout: _Layout, grads: list[torch.Tensor]
+    ) -> bool:
+        """The common sweep case (see `_shared_kernel_args`) on the native Adam kernel:
+        one pass reads each gradient where autograd left it and updates each parameter
+        where it lives, where the flat path gathers the gradients, runs torch's fused
+        kernel at a unit rate and scatters each model's scaled update back (on the MLP of
+        16 models the step went from 111 to 35 us, measured inside the training loop)."""
+        shared = None if group["maximize"] else self._shared_kernel_args(group)
+        if shared is None or layout.step is None:
+            return False
+        steps = layout.step.tolist()
+        exp_avg, exp_avg_sq = layout.buffers["exp_avg"], layout.buffers["exp_avg_sq"]
+        grads = [g.contiguous() for g in grads]  # a hand-set strided gradient is copied
+        lib = native.adam_kernels(*layout.params, *grads, exp_avg, exp_avg_sq)
+        if lib is None or steps.count(steps[0]) != len(steps) or len(grads) != len(layout.params):
+            return False
+        lrs, beta1, beta2, eps = shared
+        bc1 = 1 - beta1 ** steps[0]
+        native.adam_step(
+            lib, params=layout.params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+            step_size=[a / bc1 for a in lrs], beta1=beta1, beta2=beta2, eps=eps,
+            bc2_sqrt=math.sqrt(1 - beta2 ** steps[0]),
+        )  # fmt: skip
+        return True
 
     def update(
         self,

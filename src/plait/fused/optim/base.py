@@ -238,6 +238,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             buf = self._current.work[name] = like.new_empty(shape)
         return buf
 
+    def step_in_place(
+        self, group: dict[str, Any], layout: _Layout, grads: list[torch.Tensor]
+    ) -> bool:
+        """Update the group's parameters and state straight from `grads` (the step count
+        already advanced) and return True, or return False for the flat `update` path.
+
+        A subclass overrides it where a kernel can read every gradient in place.
+        """
+        del group, layout, grads
+        return False
+
     @staticmethod
     def axpy(a: torch.Tensor, x: torch.Tensor, c: float | torch.Tensor) -> torch.Tensor:
         """a + x * c, for a per-model [B, 1] or a shared scalar c (new tensor)."""
@@ -330,6 +341,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             layout = self._layout(index, group, params)
             self._current = layout
             grads = [p.grad for p in params if p.grad is not None]
+            assert layout.step is not None
+            layout.step += 1
+            if self.step_in_place(group, layout, grads):
+                continue
             if len(grads) == 1:
                 grad = grads[0].reshape(b, -1)
             else:  # one foreach copy into cached views of the flat gradient
@@ -337,8 +352,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(self._views(grad, layout), grads)
             if group.get("maximize", False):
                 grad = -grad
-            assert layout.step is not None
-            layout.step += 1
             cache: list[torch.Tensor] = []
 
             def param(layout: _Layout = layout, cache: list[torch.Tensor] = cache) -> torch.Tensor:
