@@ -212,3 +212,32 @@ def test_failed_build_falls_back_with_one_warning(
     out = packed_attention(qkv, heads=2, mask=None)
     assert rel_err(out, _reference_attention(qkv, 2, None)) <= FP32_RTOL
     assert math.isfinite(out.sum().item())
+
+
+@needs_native
+def test_adam_in_place_matches_stock_adam(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait.fused import FusedAdam
+
+    calls = []
+    real = native.adam_step
+    monkeypatch.setattr(native, "adam_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    lrs = [0.01, 0.03, 0.002]
+    stock = [nn.Linear(5, 4) for _ in lrs]
+    fused = [nn.Parameter(torch.stack([getattr(m, n).detach() for m in stock]).clone())
+             for n in ("weight", "bias")]  # fmt: skip
+    opt = FusedAdam(fused, lr=lrs)
+    stock_opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(stock, lrs, strict=True)]
+    for _ in range(10):
+        x = torch.randn(len(lrs), 6, 5)
+        opt.zero_grad()
+        (torch.baddbmm(fused[1].unsqueeze(1), x, fused[0].transpose(1, 2)).tanh().sum()).backward()
+        opt.step()
+        for b, (m, o) in enumerate(zip(stock, stock_opts, strict=True)):
+            o.zero_grad()
+            m(x[b]).tanh().sum().backward()
+            o.step()
+    assert len(calls) == 10  # every step took the in-place kernel
+    for b, m in enumerate(stock):
+        assert rel_err(fused[0][b], m.weight) <= RTOL
+        assert rel_err(fused[1][b], m.bias) <= RTOL

@@ -52,8 +52,9 @@ class FusedAdam(FusedOptimizer):
         """The common sweep case (see `_shared_kernel_args`) on the native Adam kernel:
         one pass reads each gradient where autograd left it and updates each parameter
         where it lives, where the flat path gathers the gradients, runs torch's fused
-        kernel at a unit rate and scatters each model's scaled update back (on the MLP of
-        16 models the step went from 111 to 35 us, measured inside the training loop)."""
+        kernel at a unit rate and scatters each model's scaled update back. On the MLP of
+        16 models the optimizer step went from 124 to 68 us on two threads and from 172 to
+        91 us on one (medians inside the training loop)."""
         shared = None if group["maximize"] else self._shared_kernel_args(group)
         if shared is None or layout.step is None:
             return False
