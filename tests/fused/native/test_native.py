@@ -241,3 +241,17 @@ def test_adam_in_place_matches_stock_adam(monkeypatch: pytest.MonkeyPatch) -> No
     for b, m in enumerate(stock):
         assert rel_err(fused[0][b], m.weight) <= RTOL
         assert rel_err(fused[1][b], m.bias) <= RTOL
+
+
+@needs_native
+def test_adam_in_place_counts_as_an_in_place_change() -> None:
+    from plait.fused import FusedAdam
+
+    w = nn.Parameter(torch.randn(2, 3, 4))
+    opt = FusedAdam([w], lr=[0.1, 0.2])
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    loss = torch.bmm(x, w.transpose(1, 2)).sum()  # saves w for x's gradient
+    w.grad = torch.ones_like(w)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

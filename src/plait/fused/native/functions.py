@@ -203,6 +203,9 @@ def adam_step(
                   exp_avg.data_ptr(), exp_avg_sq.data_ptr(), models, total,
                   (ctypes.c_float * models)(*step_size), beta1, beta2, eps, bc2_sqrt,
                   torch.get_num_threads())  # fmt: skip
+    # the kernel wrote the parameters behind autograd's back: bump their version counters
+    # as an in-place torch op would, so a graph that saved them reports the change
+    torch.autograd.graph.increment_version(params)
 
 
 @functools.lru_cache(maxsize=256)

@@ -59,10 +59,12 @@ class FusedAdam(FusedOptimizer):
         if shared is None or layout.step is None:
             return False
         steps = layout.step.tolist()
+        if steps.count(steps[0]) != len(steps) or len(grads) != len(layout.params):
+            return False
         exp_avg, exp_avg_sq = layout.buffers["exp_avg"], layout.buffers["exp_avg_sq"]
         grads = [g.contiguous() for g in grads]  # a hand-set strided gradient is copied
         lib = native.adam_kernels(*layout.params, *grads, exp_avg, exp_avg_sq)
-        if lib is None or steps.count(steps[0]) != len(steps) or len(grads) != len(layout.params):
+        if lib is None:
             return False
         lrs, beta1, beta2, eps = shared
         bc1 = 1 - beta1 ** steps[0]
