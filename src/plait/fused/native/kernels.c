@@ -1,9 +1,10 @@
-/* CPU kernels for the narrow layers of sweep-sized models, fused over B models.
+/* CPU kernels for fused arrays of sweep-sized models: narrow attention and layer norm,
+ * and Adam's step in place.
  *
- * A fused array calls each of these once for all B models, so a call holds thousands of
- * tiny problems (a 16 x 16 attention block, a 16-wide layer-norm row). torch's CPU kernels
- * spend most of their time per problem there, not per element. These kernels keep one
- * problem in registers and vectorise across it. Sizes are compile-time constants
+ * A fused array calls each layer kernel once for all B models, so a call holds thousands
+ * of tiny problems (a 16 x 16 attention block, a 16-wide layer-norm row). torch's CPU
+ * kernels spend most of their time per problem there, not per element. These kernels keep
+ * one problem in registers and vectorise across it. Sizes are compile-time constants
  * (plait.fused.native.build compiles one library per size), so every inner loop has a
  * fixed trip count that the compiler unrolls and vectorises.
  *
