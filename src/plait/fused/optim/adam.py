@@ -55,23 +55,21 @@ class FusedAdam(FusedOptimizer):
         kernel at a unit rate and scatters each model's scaled update back. On the MLP of
         16 models the optimizer step went from 124 to 68 us on two threads and from 172 to
         91 us on one (medians inside the training loop)."""
-        shared = None if group["maximize"] else self._shared_kernel_args(group)
-        if shared is None or layout.step is None:
-            return False
-        steps = layout.step.tolist()
-        if steps.count(steps[0]) != len(steps) or len(grads) != len(layout.params):
+        assert layout.step is not None
+        shared = None if group["maximize"] else self._shared_kernel_args(group, layout.step)
+        if shared is None or len(grads) != len(layout.params):
             return False
         exp_avg, exp_avg_sq = layout.buffers["exp_avg"], layout.buffers["exp_avg_sq"]
         grads = [g.contiguous() for g in grads]  # a hand-set strided gradient is copied
         lib = native.adam_kernels(*layout.params, *grads, exp_avg, exp_avg_sq)
         if lib is None:
             return False
-        lrs, beta1, beta2, eps = shared
-        bc1 = 1 - beta1 ** steps[0]
+        lrs, beta1, beta2, eps, step = shared
+        bc1 = 1 - beta1**step
         native.adam_step(
             lib, params=layout.params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
             step_size=[a / bc1 for a in lrs], beta1=beta1, beta2=beta2, eps=eps,
-            bc2_sqrt=math.sqrt(1 - beta2 ** steps[0]),
+            bc2_sqrt=math.sqrt(1 - beta2**step),
         )  # fmt: skip
         return True
 
@@ -84,15 +82,13 @@ class FusedAdam(FusedOptimizer):
         param: Callable[[], torch.Tensor],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         exp_avg, exp_avg_sq = buffers["exp_avg"], buffers["exp_avg_sq"]
-        shared = self._shared_kernel_args(group)
+        shared = self._shared_kernel_args(group, step)
         if shared is not None:
-            steps = step.tolist()
-            if steps.count(steps[0]) == len(steps):
-                lrs, beta1, beta2, eps_ = shared
-                return self._kernel_update(
-                    group=group, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, lr=lrs,
-                    beta1=beta1, beta2=beta2, eps=eps_, step=steps[0],
-                )  # fmt: skip
+            lrs, beta1, beta2, eps_, count = shared
+            return self._kernel_update(
+                group=group, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, lr=lrs,
+                beta1=beta1, beta2=beta2, eps=eps_, step=count,
+            )  # fmt: skip
         lr, wd = self.values(group, "lr"), self.values(group, "weight_decay")
         betas = self.pairs(group, "betas")
         b1, b2 = [b[0] for b in betas], [b[1] for b in betas]
@@ -141,10 +137,11 @@ class FusedAdam(FusedOptimizer):
         return exp_avg, second.sqrt().mul_(scale).add_(shift)
 
     def _shared_kernel_args(
-        self, group: dict[str, Any]
-    ) -> tuple[list[float], float, float, float] | None:
-        """(every model's lr, beta1, beta2, eps) when one fused-kernel call serves the
-        step: betas and eps shared by all models, no weight decay, no AMSGrad.
+        self, group: dict[str, Any], step: torch.Tensor
+    ) -> tuple[list[float], float, float, float, float] | None:
+        """(every model's lr, beta1, beta2, eps, the step count) when one kernel call
+        serves the step: betas and eps shared by all models, no weight decay, no AMSGrad,
+        every model at the same step (`step`, [B]).
 
         The common case of a sweep (per-model learning rates, everything else shared)
         thus skips the general path's per-step Python work, which took about 5% of a
@@ -166,10 +163,13 @@ class FusedAdam(FusedOptimizer):
             key = tuple(lr)
         elif not is_number(lr):
             return None
+        steps = step.tolist()
+        if steps.count(steps[0]) != len(steps):
+            return None
         key = (key, self.num_models)
         if self._lr_cache is None or self._lr_cache[0] != key:
             self._lr_cache = (key, self.values(group, "lr"))
-        return self._lr_cache[1], float(betas[0]), float(betas[1]), float(eps)
+        return self._lr_cache[1], float(betas[0]), float(betas[1]), float(eps), steps[0]
 
     def _kernel_update(
         self,
