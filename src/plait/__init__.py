@@ -13,6 +13,7 @@ Library entry points (the `plait` command line is built on them):
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 from plait.dp import data_parallel
@@ -21,7 +22,10 @@ from plait.fused import fuse
 if TYPE_CHECKING:
     from plait.parallel import Plan, parallelize
 
-__version__ = "0.1.0"
+try:  # one version: the installed distribution's metadata, set in pyproject.toml
+    __version__ = _metadata.version("plait")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path without an install
+    __version__ = "0+unknown"
 
 __all__ = ["Plan", "__version__", "data_parallel", "fuse", "parallelize"]
 
