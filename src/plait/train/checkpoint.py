@@ -368,7 +368,31 @@ class Checkpointer:
             ValueError: the state holds objects a checkpoint cannot store (`to_plain`).
         """
         path = self._dir(step)
-        world = pdist.world_size()
+        try:
+            self._write(step, path, shared=shared, local=local, sharded=sharded)
+        except BaseException as exc:
+            # a failed write, or a peer lost in one of the collectives: nothing half-written
+            # stays behind to be taken for a checkpoint, and the older ones are untouched
+            if pdist.is_main():
+                shutil.rmtree(path, ignore_errors=True)
+                prev = [p.name for s, p in self.complete() if s != step]
+                kept = f"{prev[-1]} is intact" if prev else "there is no earlier checkpoint"
+                logger.error("checkpoint at step %d not saved (%s); %s", step, exc, kept)
+            raise
+        if pdist.is_main():
+            self._prune(step)
+        pdist.barrier()
+        return path
+
+    def _write(
+        self,
+        step: int,
+        path: Path,
+        *,
+        shared: dict[str, Any],
+        local: dict[str, Any],
+        sharded: dict[str, Any] | None,
+    ) -> None:
         error: BaseException | None = None
         if pdist.is_main():
             try:
@@ -382,40 +406,28 @@ class Checkpointer:
             except OSError as exc:
                 error = exc
         _agree(error, f"checkpoint at step {step}: creating {path}")
-        try:
-            if sharded is not None:
-                from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+        if sharded is not None:
+            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-                try:
-                    dcp_save(sharded, checkpoint_id=str(path / SHARDED))
-                except Exception as exc:
-                    raise CheckpointError(
-                        f"checkpoint at step {step}: sharded save failed: {exc}"
-                    ) from exc
             try:
-                save_file(local, path / f"rank{pdist.rank()}.pt")
-                if pdist.is_main():
-                    save_file(shared, path / "shared.pt")
+                dcp_save(sharded, checkpoint_id=str(path / SHARDED))
+            except Exception as exc:
+                raise CheckpointError(
+                    f"checkpoint at step {step}: sharded save failed: {exc}"
+                ) from exc
+        try:
+            save_file(local, path / f"rank{pdist.rank()}.pt")
+            if pdist.is_main():
+                save_file(shared, path / "shared.pt")
+        except (OSError, ValueError) as exc:
+            error = exc
+        _agree(error, f"checkpoint at step {step}: writing {path}")
+        if pdist.is_main():
+            try:
+                write_manifest(path, step=step, world_size=pdist.world_size())
             except OSError as exc:
                 error = exc
-            _agree(error, f"checkpoint at step {step}: writing {path}")
-            if pdist.is_main():
-                try:
-                    write_manifest(path, step=step, world_size=world)
-                except OSError as exc:
-                    error = exc
-            _agree(error, f"checkpoint at step {step}: writing {path / MANIFEST}")
-        except CheckpointError as exc:
-            if pdist.is_main():
-                shutil.rmtree(path, ignore_errors=True)
-                prev = [p.name for s, p in self.complete() if s != step]
-                keep = f"{prev[-1]} is intact" if prev else "there is no earlier checkpoint"
-                logger.error("%s; %s", exc, keep)
-            raise
-        if pdist.is_main():
-            self._prune(step)
-        pdist.barrier()
-        return path
+        _agree(error, f"checkpoint at step {step}: writing {path / MANIFEST}")
 
     def _prune(self, step: int) -> None:
         """Delete checkpoints beyond `keep`, unfinished older ones and abandoned newer ones
