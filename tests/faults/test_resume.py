@@ -93,7 +93,7 @@ def _kill_and_resume(tmp_path: Path, spec: str, plan: str | None = None) -> dict
     with pytest.raises(WorkerError, match=r"died|raised"):
         run_distributed(
             _reference_then_killed, spec, plan, str(tmp_path), die_at, world_size=2,
-            timeout_s=90,
+            timeout_s=20,
         )  # fmt: skip
     assert (tmp_path / "ckpt" / f"step_{2 * EVERY:08d}" / "MANIFEST.json").is_file()
     # whatever the survivor did after its peer died, no later checkpoint counts as complete
