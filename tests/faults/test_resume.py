@@ -127,3 +127,58 @@ def test_kfac_resumes_with_its_factors(tmp_path: Path) -> None:
 def test_parallel_plan_resumes_from_its_distributed_checkpoint(tmp_path: Path) -> None:
     _kill_and_resume(tmp_path, "ssgd", plan="dp=2,zero=3")
     assert any((tmp_path / "ckpt").glob("step_*/sharded/.metadata"))
+
+
+def _dp_state_dict_round_trip(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    import io
+
+    from torch import nn
+
+    from plait.dp import compressor_of, data_parallel
+
+    def make() -> Any:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        ddp = data_parallel(net, "acpsgd", rank=2, warmup=1)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step(ddp: Any, opt: Any, i: int) -> None:
+        g = torch.Generator().manual_seed(100 * i + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    ddp, opt = make()
+    for i in range(3):
+        step(ddp, opt, i)
+    # the usual DDP checkpoint, one file per rank, loaded as weights only
+    buf = io.BytesIO()
+    torch.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert "plait_compressor" in saved["model"]
+    fresh, fresh_opt = make()
+    fresh.load_state_dict(saved["model"])  # strict: the compressor key is not "unexpected"
+    fresh_opt.load_state_dict(saved["optim"])
+    comp_a, comp_b = compressor_of(ddp), compressor_of(fresh)
+    assert comp_a is not None and comp_b is not None
+    assert comp_b.state_dict()["steps"] == comp_a.state_dict()["steps"] == 3
+    for i in range(3, 6):
+        step(ddp, opt, i)
+        step(fresh, fresh_opt, i)
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(ddp.parameters(), fresh.parameters())),
+        "error_norm": float(
+            sum(s["error"].norm() for s in comp_b.state_dict()["params"].values())
+        ),
+    }
+
+
+def test_data_parallel_state_dict_carries_the_compressor(tmp_path: Path) -> None:
+    # without the compressor's residuals and step counter in the model's state_dict, the
+    # reloaded model would re-run warm-up and drop the residuals: its parameters diverge
+    out = run_distributed(_dp_state_dict_round_trip, str(tmp_path), world_size=2, timeout_s=60)
+    for r in out:
+        assert r["same"]
+        assert r["error_norm"] > 0
