@@ -22,8 +22,8 @@ import torch
 
 import plait.train.checkpoint as ckpt_mod
 from plait.train.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     UnsafeCheckpointError,
     load_sharded,
     write_manifest,
@@ -174,7 +174,7 @@ def test_crafted_checkpoint_does_not_run_code(tmp_path: Path) -> None:
     ck = Checkpointer(tmp_path / "ck")
     path = ck.latest()
     assert path == step_dir
-    with pytest.raises(UnsafeCheckpointError, match="refusing to load .*shared.pt"):
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to load .*shared\.pt"):
         ck.load(path)
     assert not marker.exists()
 

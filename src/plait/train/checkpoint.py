@@ -200,9 +200,9 @@ def _sha256(path: Path) -> str:
 
 def _files_of(path: Path) -> Iterable[Path]:
     for p in sorted(path.rglob("*")):
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
-            yield p
-        elif p.is_file() and p.name == ".metadata":  # torch.distributed.checkpoint's index
+        # temporary files start with a dot; torch.distributed.checkpoint's index does too
+        hidden = p.name.startswith(".") and p.name != ".metadata"
+        if p.is_file() and p.name != MANIFEST and not hidden:
             yield p
 
 
@@ -243,8 +243,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path.name}/{MANIFEST} is unreadable: {exc}") from None
     if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path.name} is in checkpoint format {version}, this version reads "
-            f"{FORMAT_VERSION}"
+            f"{path.name} is in checkpoint format {version}, this version reads {FORMAT_VERSION}"
         )
     if not isinstance(files, dict) or not files:
         raise CheckpointError(f"{path.name}/{MANIFEST} lists no files")
@@ -531,9 +530,10 @@ def dcp_load_safe(state: dict[str, Any], path: Path) -> None:
         dcp_load(state, checkpoint_id=str(path), planner=_WeightsOnlyPlanner())
     except Exception as exc:
         # torch wraps a rank's error in a CheckpointException; a refused pickle says so
-        if isinstance(exc, pickle.UnpicklingError) or "weights only load failed" in str(
-            exc
-        ).lower():
+        if (
+            isinstance(exc, pickle.UnpicklingError)
+            or "weights only load failed" in str(exc).lower()
+        ):
             raise UnsafeCheckpointError(
                 f"refusing to load {path}: a value in it is not plain data ({exc})"
             ) from None
