@@ -65,7 +65,7 @@ def test_resume_after_worker_is_killed(tmp_path: Path) -> None:
         killed = None
         deadline = time.monotonic() + 240
         while killed is None and time.monotonic() < deadline and t.is_alive():
-            if (ckpt / "step_00000010" / "COMPLETE").exists():
+            if (ckpt / "step_00000010" / "MANIFEST.json").exists():
                 pid = _worker_pid(str(ckpt), rank=1)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)

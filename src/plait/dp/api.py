@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -15,6 +17,13 @@ from plait.comm.fusion import (
     ddp_bucket_caps_mb,
 )
 from plait.dp.compress import AllReduce, Compressor, compressor_class
+from plait.train.checkpoint import from_plain, to_plain
+
+logger = logging.getLogger(__name__)
+
+#: Key of the compressor's state in a `data_parallel` model's ``state_dict()``.
+STATE_KEY = "plait_compressor"
+_STATE_FORMAT = 1
 
 
 def data_parallel(
@@ -35,6 +44,22 @@ def data_parallel(
     compressor's compression ratio, so a compressed model has as many buckets (and as much
     overlap with backward) as uncompressed S-SGD. Gradients are views into DDP's buckets by
     default, which spares two copies of the whole gradient per step.
+
+    Checkpoints: the returned model's ``state_dict()`` holds, next to the parameters, the
+    compressor's state (error-feedback buffers, low-rank factors, step counters) of the
+    rank that calls it, under the key ``"plait_compressor"`` (a dict of plain tensors,
+    numbers and strings, loadable with ``torch.load(weights_only=True)``), and
+    ``load_state_dict()`` restores it. Saving and loading the wrapped model, as with any
+    DDP model, therefore resumes the compressor too, with no extra call::
+
+        torch.save(ddp.state_dict(), f"ckpt-rank{rank}.pt")      # every rank: exact
+        ddp.load_state_dict(torch.load(f"ckpt-rank{rank}.pt", weights_only=True))
+
+    Error-feedback buffers differ between ranks: for a bit-exact resume every rank saves
+    its own file as above. A file saved by rank 0 only and loaded everywhere also works
+    (its step counters and shared factors are right); the other ranks then start from rank
+    0's residuals, which is logged as a warning. The state of ``ddp.module.state_dict()``
+    (the bare model) has no compressor state. `compressor_of` gives the compressor itself.
 
     Args:
         model: the module to train; its parameters must live on one device.
@@ -113,7 +138,65 @@ def data_parallel(
     )
     comp.register(ddp)
     ddp.plait_compressor = comp  # type: ignore[assignment]
+    ddp.register_state_dict_post_hook(_save_compressor_state)
+    ddp.register_load_state_dict_pre_hook(_load_compressor_state)
     return ddp
+
+
+def _save_compressor_state(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """State-dict hook: add this rank's compressor state under `STATE_KEY`."""
+    comp = compressor_of(module)
+    if comp is None:
+        return
+    state_dict[prefix + STATE_KEY] = {
+        "format": _STATE_FORMAT,
+        "compressor": comp.name,
+        "rank": dist.get_rank(comp.group) if dist.is_initialized() else 0,
+        "world_size": dist.get_world_size(comp.group) if dist.is_initialized() else 1,
+        "state": to_plain(comp.state_dict(), f"{comp.name} state"),
+    }
+
+
+def _load_compressor_state(  # noqa: PLR0917 - torch calls load pre-hooks positionally
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load-state-dict pre-hook: take `STATE_KEY` out (DDP would call it unexpected) and
+    restore the compressor from it. A state dict without it leaves the compressor as is."""
+    saved = state_dict.pop(prefix + STATE_KEY, None)
+    comp = compressor_of(module)
+    if saved is None or comp is None:
+        return
+    if not isinstance(saved, Mapping) or saved.get("format") != _STATE_FORMAT:
+        error_msgs.append(f"{prefix + STATE_KEY} is not a plait compressor state")
+        return
+    if saved.get("compressor") != comp.name:
+        error_msgs.append(
+            f"{prefix + STATE_KEY} holds the state of compressor {saved.get('compressor')!r}, "
+            f"this model uses {comp.name!r}"
+        )
+        return
+    rank = dist.get_rank(comp.group) if dist.is_initialized() else 0
+    world = dist.get_world_size(comp.group) if dist.is_initialized() else 1
+    if (saved.get("rank"), saved.get("world_size")) != (rank, world):
+        logger.warning(
+            "compressor state saved by rank %s of %s is loaded on rank %d of %d: its "
+            "error-feedback residuals are that rank's (save every rank's state_dict for an "
+            "exact resume)",
+            saved.get("rank"), saved.get("world_size"), rank, world,
+        )  # fmt: skip
+    try:
+        comp.load_state_dict(from_plain(saved["state"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        error_msgs.append(f"cannot restore compressor {comp.name!r}: {exc}")
 
 
 def compressor_of(model: nn.Module) -> Compressor | None:

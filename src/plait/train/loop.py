@@ -4,7 +4,9 @@ Run it under torchrun (`plait train` launches it on an emulated cluster): every 
 its shard of the data, rank 0 draws the progress bar and prints per-epoch loss, test
 accuracy and throughput. With a checkpoint directory it saves every `checkpoint_every`
 steps and at every epoch end, and a restarted job (torchrun `--max-restarts`) resumes from
-the newest complete checkpoint, reproducing the uninterrupted run.
+the newest complete checkpoint, reproducing the uninterrupted run. Checkpoints are written
+atomically with a manifest, a corrupt or unfinished newest one is skipped with a warning,
+and they load as plain data only (`plait.train.checkpoint`).
 """
 
 from __future__ import annotations
