@@ -10,7 +10,6 @@ from plait.dp.api import compressor_of, data_parallel
 from plait.dp.compress import compressor_class, compressor_names
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
 
-
 #: Options that go to DDP (through `data_parallel`) rather than to the compressor.
 DDP_OPTIONS = ("bucket_cap_mb", "final_bucket_mb", "find_unused_parameters",
                "gradient_as_bucket_view")  # fmt: skip

@@ -222,9 +222,12 @@ def keyword_options(cls: type, *, exclude: Iterable[str] = ("self", "group")) ->
         for p in inspect.signature(init).parameters.values():
             if p.kind is p.VAR_KEYWORD:
                 more = True
-            elif p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in skip:
-                if p.name not in names:
-                    names.append(p.name)
+            elif (
+                p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.name not in skip
+                and p.name not in names
+            ):
+                names.append(p.name)
         if not more:
             break
     return names
