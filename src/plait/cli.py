@@ -31,14 +31,19 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     g.add_argument("--nodes", type=int, default=1, help="emulated nodes (network namespaces)")
     g.add_argument("--nproc-per-node", type=int, default=1, help="worker processes per node")
     bw_help = (
-        f"egress rate per node: a tc rate (100mbit, 1gbit) or a named setting "
+        f"egress rate per node: a tc rate from 1kbit to 1tbit (100mbit, 1gbit; bps is bytes/s, "
+        f"as in tc) or a named setting "
         f"({', '.join(f'{k}={v}' for k, v in NAMED_RATES.items())})"
     )
     if multi_bandwidth:
         bw_help += "; a comma-separated list runs each"
     g.add_argument("--bandwidth", default=None, help=bw_help)
-    g.add_argument("--latency", default=None, help="added one-way delay per link, e.g. 2ms")
-    g.add_argument("--loss", type=float, default=None, help="packet loss per link, percent")
+    g.add_argument(
+        "--latency", default=None, help="added one-way delay per link, up to 60s, e.g. 2ms"
+    )
+    g.add_argument(
+        "--loss", type=float, default=None, help="packet loss per link, percent in [0, 100)"
+    )
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per worker process")
     g.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
 
@@ -77,7 +82,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="n-D parallel plan, e.g. dp=2,tp=2,zero=3 or pp=4,schedule=interleaved, or auto "
         "(--strategy then names the data axis's compressor)",
     )
-    p.add_argument("--memory", default=None, help="memory per device for --plan auto, e.g. 2GiB")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="memory per device for --plan auto: 2GiB = 2*2^30 bytes, 2GB = 2*10^9",
+    )
 
 
 def train_config_from_args(args: argparse.Namespace) -> Any:
@@ -163,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--workload", default="gpt", help="mlp, resnet18, vgg or gpt")
     pl.add_argument("--nodes", type=int, default=4, help="nodes of the cluster to plan for")
     pl.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
-    pl.add_argument("--memory", default=None, help="memory per device, e.g. 2GiB (default: none)")
+    pl.add_argument(
+        "--memory",
+        default=None,
+        help="memory per device: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 (default: none)",
+    )
     pl.add_argument("--bandwidth", default="fast", help="link rate (tc rate or slow/balanced/fast)")
     pl.add_argument(
         "--probe",
@@ -255,7 +268,8 @@ def _add_sweep_parser(sub: Any) -> None:
                    help="delete an existing study of that name first (a fresh run)")  # fmt: skip
     s.add_argument("--max-models", type=int, default=64, help="largest array to try")
     s.add_argument("--memory-budget", type=_bytes, default=None,
-                   help="memory one array may use, e.g. 2GB (default: half of free)")  # fmt: skip
+                   help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 "
+                        "(default: half of free)")  # fmt: skip
     s.add_argument("--pruner", default="median", choices=["median", "asha", "none"])
     s.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
     s.add_argument("--lr", type=_floats, default=(1e-3, 1.0), help="learning-rate range LO,HI")
