@@ -910,13 +910,15 @@ def _validate_crossover(args: argparse.Namespace) -> None:
         raise ValueError(f"{len(args.jobs)} job(s) given; crossover runs at least two")
     for i, spec in enumerate(args.jobs):
         job = Job.parse(spec, i)
+        world = args.nodes * args.nproc_per_node
         if job.config is not None:
             try:
-                TrainConfig(**job.config)
-            except TypeError as exc:
+                cfg = TrainConfig(**job.config)
+                _check_strategies([cfg.strategy_spec()], [cfg.workload], world)
+            except (TypeError, ValueError) as exc:
                 raise ValueError(f"job {spec!r}: {exc}") from None
-            except ValueError as exc:
-                raise ValueError(f"job {spec!r}: {exc}") from None
+        elif job.workload is not None and job.strategy is not None:
+            _check_strategies([job.strategy], [job.workload], world)  # plans against the world
         elif job.command and not Path(job.command[0]).is_file():
             raise ValueError(
                 f"job {spec!r}: no such script {job.command[0]!r} (expected WORKLOAD/STRATEGY, "

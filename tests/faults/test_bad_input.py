@@ -143,6 +143,7 @@ BAD = [
     ),
     (["crossover", "run", "mlp/ssgd", "mlp/ssgd", "--group", ".."], ["'..'"]),
     (["crossover", "run", "mlp/ssgd", "mlp/ssgd", "--repeats", "0"], ["--repeats 0"]),
+    (["crossover", "run", "mlp/ssgd", "gpt/plan:tp=3", "--nodes", "2"], ["tp=3", "world size 2"]),
     # plan
     (["plan", "--memory", "2G"], ["'2G'", "2GB", "2GiB"]),
     (["plan", "--memory=-1GB"], ["'-1GB'"]),
