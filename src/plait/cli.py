@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import tempfile
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from plait.cluster.network import NAMED_RATES, NetworkSpec
+from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
+from plait.units import parse_size
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line: the flag, the bad value, what it takes."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = False) -> None:
@@ -19,14 +31,19 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     g.add_argument("--nodes", type=int, default=1, help="emulated nodes (network namespaces)")
     g.add_argument("--nproc-per-node", type=int, default=1, help="worker processes per node")
     bw_help = (
-        f"egress rate per node: a tc rate (100mbit, 1gbit) or a named setting "
+        f"egress rate per node: a tc rate from 1kbit to 1tbit (100mbit, 1gbit; bps is bytes/s, "
+        f"as in tc) or a named setting "
         f"({', '.join(f'{k}={v}' for k, v in NAMED_RATES.items())})"
     )
     if multi_bandwidth:
         bw_help += "; a comma-separated list runs each"
     g.add_argument("--bandwidth", default=None, help=bw_help)
-    g.add_argument("--latency", default=None, help="added one-way delay per link, e.g. 2ms")
-    g.add_argument("--loss", type=float, default=None, help="packet loss per link, percent")
+    g.add_argument(
+        "--latency", default=None, help="added one-way delay per link, up to 60s, e.g. 2ms"
+    )
+    g.add_argument(
+        "--loss", type=float, default=None, help="packet loss per link, percent in [0, 100)"
+    )
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per worker process")
     g.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
 
@@ -65,7 +82,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="n-D parallel plan, e.g. dp=2,tp=2,zero=3 or pp=4,schedule=interleaved, or auto "
         "(--strategy then names the data axis's compressor)",
     )
-    p.add_argument("--memory", default=None, help="memory per device for --plan auto, e.g. 2GiB")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="memory per device for --plan auto: 2GiB = 2*2^30 bytes, 2GB = 2*10^9",
+    )
 
 
 def train_config_from_args(args: argparse.Namespace) -> Any:
@@ -78,11 +99,13 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="plait",
         description="Braid computation and communication: faster PyTorch training where "
         "hardware sits idle.",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error (also PLAIT_DEBUG=1)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="end-to-end demonstration on an emulated 4-node cluster")
@@ -149,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--workload", default="gpt", help="mlp, resnet18, vgg or gpt")
     pl.add_argument("--nodes", type=int, default=4, help="nodes of the cluster to plan for")
     pl.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
-    pl.add_argument("--memory", default=None, help="memory per device, e.g. 2GiB (default: none)")
+    pl.add_argument(
+        "--memory",
+        default=None,
+        help="memory per device: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 (default: none)",
+    )
     pl.add_argument("--bandwidth", default="fast", help="link rate (tc rate or slow/balanced/fast)")
     pl.add_argument(
         "--probe",
@@ -173,27 +200,53 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     pl.add_argument("--all", action="store_true", help="list every candidate plan")
     pl.add_argument("--json", default=None, help="also write the table as JSON here")
+    _add_debug_flag(parser)
     return parser
 
 
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """Accept ``--debug`` after any subcommand too (``plait train ... --debug``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if not any("--debug" in a.option_strings for a in child._actions):
+                    child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                       help="show the traceback of an error")  # fmt: skip
+                _add_debug_flag(child)
+
+
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(v) for v in text.split(",") if v.strip())
+    """Comma-separated finite numbers (``1e-3,1.0``)."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers (e.g. 1e-3,1.0)"
+        ) from None
+    if not values or not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected finite numbers, e.g. 1e-3,1.0")
+    return values
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
+    """Comma-separated integers (``1,2,4``)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (e.g. 1,2,4)"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one integer, e.g. 1,2,4")
+    return values
 
 
 def _bytes(text: str) -> int:
-    """A size such as 512MB, 2GB or a plain byte count."""
-    units = {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40, "b": 1}
-    t = text.strip().lower()
-    for unit, factor in units.items():
-        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(t[: -len(unit)]) * factor)
-    if t.isdigit():
-        return int(t)
-    raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MB, 2GB)")
+    """A size (``512MiB``, ``2GB`` = 2*10^9, ``2GiB`` = 2*2^30, or bytes): `plait.units`."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_sweep_parser(sub: Any) -> None:
@@ -215,7 +268,8 @@ def _add_sweep_parser(sub: Any) -> None:
                    help="delete an existing study of that name first (a fresh run)")  # fmt: skip
     s.add_argument("--max-models", type=int, default=64, help="largest array to try")
     s.add_argument("--memory-budget", type=_bytes, default=None,
-                   help="memory one array may use, e.g. 2GB (default: half of free)")  # fmt: skip
+                   help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 "
+                        "(default: half of free)")  # fmt: skip
     s.add_argument("--pruner", default="median", choices=["median", "asha", "none"])
     s.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
     s.add_argument("--lr", type=_floats, default=(1e-3, 1.0), help="learning-rate range LO,HI")
@@ -287,19 +341,6 @@ def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkS
     )
 
 
-def _check_plan(cfg: Any, world: int) -> None:
-    """Fail before launching when an explicit plan does not fit the world or the model."""
-    if cfg.plan is None or cfg.plan.strip() == "auto":
-        return
-    from plait.bench.workloads import get_workload
-    from plait.parallel import Plan, adapter_for
-
-    wl = get_workload(cfg.workload)
-    data = wl.real() if cfg.data == "real" else wl.synthetic(8)
-    model = wl.model(data.info)
-    Plan.parse(cfg.plan).validate(world=world, dims=adapter_for(model).dims(model))
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = train_config_from_args(args)
     if "RANK" in os.environ:  # already launched by torchrun: train in this process
@@ -309,7 +350,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from plait.cluster import Cluster, launch
 
-    _check_plan(cfg, args.nodes * args.nproc_per_node)
     cfg_path = Path(tempfile.mkdtemp(prefix="plait-train-")) / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
     with Cluster.create(nodes=args.nodes, network=_network(args)) as cluster:
@@ -604,6 +644,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{choice.plan.describe()}\n")  # fmt: skip
     print(choice.table(limit=None if args.all else 25))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(choice.to_dict(), indent=2))
     return 0
 
@@ -623,6 +664,353 @@ def _probe_network(args: argparse.Namespace) -> Any:
     return CollectiveCosts.from_dict(json.loads(out.read_text())["collectives"])
 
 
+# ---------------------------------------------------------------------------- validation
+# Every command checks all of its input here, in the parent process, before any namespace,
+# process or file exists: a typo costs one line on stderr and exit code 2, not a cluster
+# built for nothing and a traceback per rank.
+
+#: Largest emulated cluster (one /24 of veth addresses, see `plait.cluster.netns`).
+MAX_NODES = 250
+_GROUP_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _int_at_least(flag: str, value: int | None, minimum: int, maximum: int | None = None) -> None:
+    """ValueError naming `flag` unless `value` (when given) is in [minimum, maximum]."""
+    if value is None:
+        return
+    if value < minimum or (maximum is not None and value > maximum):
+        accepted = f"an integer >= {minimum}" if maximum is None else (
+            f"an integer from {minimum} to {maximum}")  # fmt: skip
+        raise ValueError(f"{flag} {value}: expected {accepted}")
+
+
+def _number(
+    flag: str, value: float | None, *, low: float, high: float | None = None,
+    low_open: bool = False, high_open: bool = False,
+) -> None:  # fmt: skip
+    """ValueError naming `flag` unless `value` (when given) is finite and in range."""
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > low if low_open else value >= low)
+    if high is not None:
+        ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        lo = f"{'(' if low_open else '['}{low:g}"
+        hi = f"{high:g}{')' if high_open else ']'}" if high is not None else "inf)"
+        raise ValueError(f"{flag} {value}: expected a number in {lo}, {hi}")
+
+
+def _creatable(flag: str, path: str, p: Path) -> None:
+    """The nearest existing ancestor of `p` is a directory this process may write into."""
+    anc = p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ValueError(f"{flag} {path!r}: cannot be created, {str(anc)!r} is not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: cannot be created, {str(anc)!r} is not writable")
+
+
+def _writable_dir(flag: str, path: str | None) -> None:
+    """`path` is a writable directory, or one that can be created."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ValueError(f"{flag}: empty path; expected a directory")
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ValueError(f"{flag} {path!r}: exists and is not a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path!r}: directory is not writable")
+        return
+    _creatable(flag, path, p)
+
+
+def _writable_file(flag: str, path: str | None) -> None:
+    """`path` names a file that can be written (created with its parents if need be)."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ValueError(f"{flag}: empty path; expected a file")
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"{flag} {path!r}: is a directory; expected a file path")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ValueError(f"{flag} {path!r}: file is not writable")
+        return
+    _creatable(flag, path, p)
+
+
+def _bandwidths(text: str | None, *, multi: bool) -> str | None:
+    """Check ``--bandwidth`` (a list when `multi`) and return it as tc reads it."""
+    if text is None:
+        return None
+    items = [b.strip().lower() for b in text.split(",")] if multi else [text.strip().lower()]
+    for b in items:
+        if not b:
+            raise ValueError(f"--bandwidth {text!r}: empty item; expected e.g. slow,fast")
+        try:
+            resolve_bandwidth(b)
+        except ValueError as exc:
+            raise ValueError(f"--bandwidth: {exc}") from None
+    return ",".join(items)
+
+
+def _check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = False) -> None:
+    """The emulated cluster's flags; normalises --bandwidth and --latency for tc."""
+    _int_at_least("--nodes", args.nodes, 1, MAX_NODES)
+    _int_at_least("--nproc-per-node", args.nproc_per_node, 1)
+    _int_at_least("--threads", args.threads, 1)
+    _number("--timeout", args.timeout, low=0, low_open=True)
+    args.bandwidth = _bandwidths(args.bandwidth, multi=multi_bandwidth)
+    if args.latency is not None:
+        try:
+            parse_duration(args.latency)
+        except ValueError as exc:
+            raise ValueError(f"--latency: {exc}") from None
+        args.latency = args.latency.strip().lower()
+    _number("--loss", args.loss, low=0, high=100, high_open=True)
+
+
+def _check_group(flag: str, group: str | None) -> None:
+    if group is not None and (not _GROUP_RE.fullmatch(group) or group in (".", "..")):
+        raise ValueError(
+            f"{flag} {group!r}: expected 1-64 letters, digits, '_', '.' or '-' (not . or ..)"
+        )
+
+
+def _check_device(flag: str, device: str) -> None:
+    """``cpu`` or ``cuda[:N]`` with such a GPU present."""
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if not m:
+        raise ValueError(f"{flag} {device!r}: expected cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(m.group(1) or 0)
+        if index >= count:
+            raise ValueError(f"{flag} {device!r}: this machine has {count} CUDA device(s)")
+
+
+def _check_strategies(specs: list[str], workloads: list[str], world: int) -> None:
+    """Every spec fully checked, and each against each workload's benchmark model."""
+    from plait.bench.workloads import get_workload
+    from plait.train.strategy import Strategy, make_strategy
+
+    if not specs:
+        raise ValueError("--strategies: no strategy given; e.g. ssgd,acpsgd:rank=4")
+    built = []
+    for spec in specs:
+        strategy = make_strategy(spec)
+        built.append(strategy)
+    for w in workloads:
+        wl = get_workload(w)
+        model = None
+        for strategy in built:
+            if type(strategy).check is Strategy.check:
+                continue  # nothing to check against the model: do not build it
+            if model is None:
+                model = wl.model(wl.synthetic(8).info, bench=True)
+            strategy.check(model, world=world)
+    for strategy in built:
+        strategy.close()
+
+
+def _workloads(text: str) -> list[str]:
+    from plait.bench.workloads import get_workload
+
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    if not names:
+        raise ValueError(f"--workload {text!r}: expected one or more workload names")
+    for name in names:
+        get_workload(name)
+    return names
+
+
+def _validate_train(args: argparse.Namespace) -> None:
+    _check_cluster_args(args)
+    for flag in ("epochs", "steps", "batch_size", "accumulate"):
+        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    for flag in ("checkpoint_every", "max_restarts", "eval_every"):
+        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 0)
+    _number("--lr", args.lr, low=0, low_open=True)
+    _number("--momentum", args.momentum, low=0)
+    _number("--weight-decay", args.weight_decay, low=0)
+    _writable_dir("--checkpoint", args.checkpoint)
+    _writable_file("--out", args.out)
+    _writable_file("--trace", args.trace)
+    _check_group("--crossover", args.crossover)
+    if args.memory is not None:
+        parse_size(args.memory, what="--memory size")
+    cfg = train_config_from_args(args)  # workload, strategy spec and its options
+    if "RANK" in os.environ:
+        return  # a worker: the parent checked the rest before launching
+    from plait.bench.workloads import get_workload
+    from plait.train.strategy import Strategy, make_strategy
+
+    strategy = make_strategy(cfg.strategy_spec())
+    try:
+        if type(strategy).check is not Strategy.check:  # plan degrees against world, model
+            wl = get_workload(cfg.workload)
+            data = wl.real() if cfg.data == "real" else wl.synthetic(8)
+            strategy.check(wl.model(data.info), world=args.nodes * args.nproc_per_node)
+    finally:
+        strategy.close()
+
+
+def _validate_run(args: argparse.Namespace) -> None:
+    _check_cluster_args(args)
+    _int_at_least("--max-restarts", args.max_restarts, 0)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script:
+        raise ValueError("give the script after --, e.g. plait run --nodes 2 -- x.py")
+    if args.module:
+        if not _MODULE_RE.fullmatch(script[0]):
+            raise ValueError(f"-m {script[0]!r}: expected a dotted module name, e.g. pkg.train")
+    elif not Path(script[0]).is_file():
+        raise ValueError(f"script {script[0]!r}: no such file (use -m to run a module)")
+
+
+def _validate_cluster(args: argparse.Namespace) -> None:
+    _check_cluster_args(args)
+
+
+def _validate_bench(args: argparse.Namespace) -> None:
+    _check_cluster_args(args, multi_bandwidth=True)
+    _int_at_least("--steps", args.steps, 1)
+    _int_at_least("--warmup", args.warmup, 0)
+    _int_at_least("--batch-size", args.batch_size, 1)
+    _writable_dir("--out", args.out)
+    _check_strategies(
+        _split_specs(args.strategies), _workloads(args.workload), args.nodes * args.nproc_per_node
+    )
+
+
+def _validate_crossover(args: argparse.Namespace) -> None:
+    from plait.crossover.colocate import Job
+    from plait.train.loop import TrainConfig
+
+    _check_cluster_args(args, multi_bandwidth=True)
+    _int_at_least("--steps", args.steps, 1)
+    _int_at_least("--warmup", args.warmup, 0)
+    _int_at_least("--repeats", args.repeats, 1)
+    if args.compare and args.warmup + 2 > args.steps:
+        raise ValueError(
+            f"--warmup {args.warmup} with --steps {args.steps}: --compare needs "
+            "--steps >= --warmup + 2 (two steps after warm-up to measure a rate)"
+        )
+    _check_group("--group", args.group)
+    _writable_file("--trace", args.trace)
+    _writable_dir("--out", args.out)
+    if len(args.jobs) < 2:
+        raise ValueError(f"{len(args.jobs)} job(s) given; crossover runs at least two")
+    for i, spec in enumerate(args.jobs):
+        job = Job.parse(spec, i)
+        world = args.nodes * args.nproc_per_node
+        if job.config is not None:
+            try:
+                cfg = TrainConfig(**job.config)
+                _check_strategies([cfg.strategy_spec()], [cfg.workload], world)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"job {spec!r}: {exc}") from None
+        elif job.workload is not None and job.strategy is not None:
+            _check_strategies([job.strategy], [job.workload], world)  # plans against the world
+        elif job.command and not Path(job.command[0]).is_file():
+            raise ValueError(
+                f"job {spec!r}: no such script {job.command[0]!r} (expected WORKLOAD/STRATEGY, "
+                "a JSON file of train settings, or a quoted command whose first word is a script)"
+            )
+
+
+def _validate_sweep(args: argparse.Namespace) -> None:
+    from plait.fused.sweep.task import TASK_NAMES
+
+    if args.task not in TASK_NAMES:
+        raise ValueError(f"--task {args.task!r}: choose from {', '.join(TASK_NAMES)}")
+    for flag in ("trials", "epochs", "max_models", "threads"):
+        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    for name in ("lr", "weight_decay"):
+        lo_hi = getattr(args, name)
+        flag = f"--{name.replace('_', '-')}"
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1]:
+            raise ValueError(
+                f"{flag} {','.join(map(str, lo_hi))}: expected a range LO,HI with 0 < LO <= HI"
+            )
+    _number("--momentum", args.momentum, low=0)
+    for flag, values in (("--batch-sizes", args.batch_sizes), ("--widths", args.widths)):
+        if any(v < 1 for v in values):
+            raise ValueError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
+    if args.study is not None and not args.study.strip():
+        raise ValueError("--study: empty name")
+    if args.storage is not None and "://" not in args.storage:
+        raise ValueError(
+            "--storage: expected a database URL such as sqlite:///runs/sweeps.db or "
+            "postgresql://host/db"
+        )
+    _check_device("--device", args.device)
+    _writable_dir("--out", args.out)
+
+
+def _validate_bench_fused(args: argparse.Namespace) -> None:
+    from plait.fused.bench import BENCH_MODELS, Strategy
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models:
+        raise ValueError(f"--models {args.models!r}: choose from {', '.join(BENCH_MODELS)}")
+    for m in models:
+        if m not in BENCH_MODELS:
+            raise ValueError(
+                f"--models: unknown model {m!r}; choose from {', '.join(BENCH_MODELS)}"
+            )
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    accepted = [s.value for s in Strategy]
+    if not names or any(n not in accepted for n in names):
+        raise ValueError(f"--strategies {args.strategies!r}: choose from {', '.join(accepted)}")
+    for flag, values in (("--n", args.n), ("--threads", args.threads)):
+        if any(v < 1 for v in values):
+            raise ValueError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
+    for flag in ("steps", "rounds", "batch_size"):
+        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    _int_at_least("--warmup", args.warmup, 0)
+    _check_device("--device", args.device)
+    _writable_dir("--out", args.out)
+
+
+def _validate_demo(args: argparse.Namespace) -> None:
+    _int_at_least("--nodes", args.nodes, 1, MAX_NODES)
+    _writable_dir("--out", args.out)
+
+
+def _validate_plan(args: argparse.Namespace) -> None:
+    _workloads(args.workload)
+    if "," in args.workload:
+        raise ValueError(f"--workload {args.workload!r}: plan takes one workload")
+    _int_at_least("--nodes", args.nodes, 1, MAX_NODES)
+    for flag in ("nproc_per_node", "batch_size", "slots", "threads"):
+        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    if args.memory is not None:
+        parse_size(args.memory, what="--memory size")
+    args.bandwidth = _bandwidths(args.bandwidth, multi=False)
+    _writable_file("--json", args.json)
+
+
+VALIDATORS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "demo": _validate_demo,
+    "train": _validate_train,
+    "run": _validate_run,
+    "cluster": _validate_cluster,
+    "bench": _validate_bench,
+    "crossover": _validate_crossover,
+    "sweep": _validate_sweep,
+    "bench-fused": _validate_bench_fused,
+    "plan": _validate_plan,
+}
+
+
 COMMANDS = {
     "demo": cmd_demo,
     "train": cmd_train,
@@ -636,16 +1024,34 @@ COMMANDS = {
 }
 
 
+def _fail(args: argparse.Namespace, code: int, message: str) -> NoReturn:
+    """Exit with one line on stderr (and the traceback first under --debug)."""
+    if getattr(args, "debug", False) or os.environ.get("PLAIT_DEBUG") not in (None, "", "0"):
+        traceback.print_exc()
+    message = " ".join(message.split())  # one line, whatever the exception held
+    sys.stderr.write(f"plait {args.command}: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse, check every input (exit 2 on a bad one), then run the command.
+
+    Bad input, found before anything is built or in the command itself (ValueError), exits
+    with code 2; any other error with code 1; both print one line unless ``--debug``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        VALIDATORS[args.command](args)
         return COMMANDS[args.command](args)
     except ValueError as exc:
-        parser.exit(2, f"plait {args.command}: error: {exc}\n")
+        _fail(args, 2, str(exc))
     except KeyboardInterrupt:
         print("\nplait: interrupted; cluster torn down", file=sys.stderr)
         return 130
+    except Exception as exc:  # every other error ends as one line too; --debug shows all
+        _fail(args, 1, f"{type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

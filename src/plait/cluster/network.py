@@ -8,8 +8,10 @@ the *ratio* of communication to computation, so plait names two settings by that
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from plait import units as _units
+from plait.units import RATE_UNITS
 
 # Calibrated on a CIFAR ResNet-18 (batch 8, 4 nodes x 1 single-thread process) with
 # `plait bench --workload resnet18 --strategies ssgd --nodes 4 --bandwidth RATE`; the
@@ -23,50 +25,33 @@ NAMED_RATES: dict[str, str] = {
     "fast": "5gbit",
 }
 
-_UNITS = {
-    "bit": 1,
-    "kbit": 10**3,
-    "mbit": 10**6,
-    "gbit": 10**9,
-    "tbit": 10**12,
-    "bps": 8,
-    "kbps": 8 * 10**3,
-    "mbps": 8 * 10**6,
-    "gbps": 8 * 10**9,
-}
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*$")
-_TIME_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$")
+#: tc's rate units in bits per second (`plait.units` holds the one table).
+_UNITS = RATE_UNITS
 
 
 def parse_rate(rate: str) -> float:
     """Return a tc-style rate (``100mbit``, ``1gbit``) in bits per second.
 
+    Delegates to `plait.units.parse_rate`, so every command reads rates the same way.
+
     Raises:
-        ValueError: if the rate is not a positive number followed by a tc unit.
+        ValueError: if the rate is not a number followed by a tc unit, or is outside the
+            range tc can shape (the message lists the units and the named settings).
     """
-    m = _RATE_RE.match(rate.lower())
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(
-            f"invalid rate {rate!r}: expected a number and a tc unit, e.g. 100mbit, 1gbit "
-            f"(units: {', '.join(_UNITS)}), or one of {', '.join(NAMED_RATES)}"
-        )
-    value = float(m.group(1)) * _UNITS[m.group(2)]
-    if value <= 0:
-        raise ValueError(f"invalid rate {rate!r}: must be positive")
-    return value
+    try:
+        return _units.parse_rate(rate)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or one of {', '.join(NAMED_RATES)}") from None
 
 
 def parse_duration(text: str) -> float:
     """Return a tc-style delay (``5ms``, ``200us``, ``0.1s``) in seconds."""
-    m = _TIME_RE.match(text.lower())
-    if not m:
-        raise ValueError(f"invalid latency {text!r}: expected e.g. 5ms, 200us or 0.1s")
-    scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
-    return float(m.group(1)) * scale
+    return _units.parse_duration(text, what="latency")
 
 
 def resolve_bandwidth(bandwidth: str) -> str:
-    """Map a named setting (``slow``, ``fast``, ``balanced``) to its tc rate; check others."""
+    """Map a named setting (``slow``, ``fast``, ``balanced``) to its tc rate; check others
+    and return them as tc reads them (trimmed, lower-case)."""
     key = bandwidth.strip().lower()
     if key in NAMED_RATES:
         return NAMED_RATES[key]

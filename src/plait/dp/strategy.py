@@ -8,14 +8,50 @@ from torch import nn
 
 from plait.dp.api import compressor_of, data_parallel
 from plait.dp.compress import compressor_class, compressor_names
-from plait.train.strategy import Strategy, register_strategy
+from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
+
+#: Options that go to DDP (through `data_parallel`) rather than to the compressor.
+DDP_OPTIONS = ("bucket_cap_mb", "final_bucket_mb", "find_unused_parameters",
+               "gradient_as_bucket_view")  # fmt: skip
+
+
+def check_ddp_options(strategy: str, options: dict[str, Any]) -> None:
+    """ValueError unless the DDP options in `options` have usable values."""
+    for key in ("bucket_cap_mb", "final_bucket_mb"):
+        value = options.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(
+                f"strategy {strategy!r}: {key} must be a number of MiB >= 0, got {value!r}"
+            )
+    for key in ("find_unused_parameters", "gradient_as_bucket_view"):
+        if key in options and not isinstance(options[key], bool):
+            raise ValueError(
+                f"strategy {strategy!r}: {key} must be true or false, got {options[key]!r}"
+            )
+
+
+def check_compressor(strategy: str, compression: str, options: dict[str, Any]) -> None:
+    """Build (and release) the compressor once, so that its option values are checked
+    now, in the process that parses the spec, rather than in every worker at wrap time."""
+    cls = compressor_class(compression)
+    try:
+        cls(**options).close()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"strategy {strategy!r}: {exc}") from exc
 
 
 class DataParallel(Strategy):
     """DDP with the compressor named by the strategy; its options go to the compressor."""
 
     def __init__(self, *, compression: str, bucket_cap_mb: float = 25.0, **options: Any) -> None:
-        compressor_class(compression)  # fail early on an unknown name
+        cls = compressor_class(compression)  # fail early on an unknown name
+        check_options(compression, options, [*DDP_OPTIONS, *keyword_options(cls)])
+        check_ddp_options(compression, {"bucket_cap_mb": bucket_cap_mb, **options})
+        check_compressor(
+            compression, compression, {k: v for k, v in options.items() if k not in DDP_OPTIONS}
+        )
         self.name = compression
         self.compression = compression
         self.bucket_cap_mb = bucket_cap_mb

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.dp import compressor_class, compressor_of, data_parallel
+from plait.dp.strategy import DDP_OPTIONS, check_compressor, check_ddp_options
 from plait.kfac.config import KFACConfig
 from plait.kfac.preconditioner import KFAC
-from plait.train.strategy import Strategy, register_strategy
+from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
 
 #: The mechanics each named strategy selects (its options may override any of them).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -78,18 +79,35 @@ class KFACStrategy(Strategy):
     ) -> None:  # fmt: skip
         self.name = preset
         self.options = dict(options)
+        cls = compressor_class(compression)
+        comp_names = [*DDP_OPTIONS, *keyword_options(cls)]
+        try:
+            check_options(preset, options, [*_CONFIG_FIELDS, *comp_names, "compression",
+                                            "include_factors"])  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(
+                f"invalid options for {preset} with compressor {compression!r}: {exc}"
+            ) from None
+        if not isinstance(include_factors, bool):
+            raise ValueError(
+                f"strategy {preset!r}: include_factors must be true or false, "
+                f"got {include_factors!r}"
+            )
         kfac_opts = {k: v for k, v in options.items() if k in _CONFIG_FIELDS}
         comp_opts = {k: v for k, v in options.items() if k not in _CONFIG_FIELDS}
         if "skip_layers" in kfac_opts and isinstance(kfac_opts["skip_layers"], str):
             kfac_opts["skip_layers"] = tuple(kfac_opts["skip_layers"].split("|"))
-        self.config = KFACConfig(**{**PRESETS[preset], **kfac_opts})
-        cls = compressor_class(compression)
         try:
-            cls(**comp_opts)  # validate the compressor's options now, not at wrap time
-        except TypeError as exc:
-            raise ValueError(
-                f"invalid options for {preset} with compressor {compression!r}: {exc}"
-            ) from None
+            self.config = KFACConfig(**{**PRESETS[preset], **kfac_opts})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"strategy {preset!r}: {exc}") from exc
+        check_ddp_options(preset, comp_opts)
+        # validate the compressor's options now, not at wrap time
+        check_compressor(
+            f"{preset} with compressor {compression!r}",
+            compression,
+            {k: v for k, v in comp_opts.items() if k not in DDP_OPTIONS},
+        )
         self.compression = compression
         self.comp_opts = comp_opts
         self.include_factors = include_factors

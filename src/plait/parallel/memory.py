@@ -16,7 +16,6 @@ exist.
 from __future__ import annotations
 
 import math
-import re
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,26 +27,22 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from plait.parallel.plan import Plan, Schedule, ZeroStage
+from plait.units import parse_size
 
 if TYPE_CHECKING:
     from plait.parallel.adapters import ModelDims
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # fmt: skip
-
 
 def parse_bytes(text: str | int) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1e9"`` or an int, in bytes.
+    """``"2GiB"`` (2 * 2**30), ``"512MB"`` (512 * 10**6), ``"1e9"`` or an int, in bytes.
+
+    The same parser as every other size in plait (`plait.units.parse_size`), so binary and
+    decimal units mean what they say and a bare ``G`` is refused as ambiguous.
 
     Raises:
         ValueError: not a size.
     """
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kmgtKMGT]i?)?[bB]?\s*", str(text))
-    if not m:
-        raise ValueError(f"invalid memory size {text!r}; use e.g. 2GiB or 512MB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    return parse_size(text, what="memory size")
 
 
 def format_bytes(n: float) -> str:

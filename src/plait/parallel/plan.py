@@ -200,9 +200,11 @@ class Plan:
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> Plan:
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ValueError(f"plan: unknown key(s) {unknown}; known: {', '.join(sorted(names))}")
+        for key in options:
+            if key not in names:
+                raise ValueError(
+                    f"plan: unknown key {key!r} (accepted: {', '.join(sorted(names))})"
+                )
         values = dict(options)
         for key in ("schedule", "compression"):
             if key in values:
@@ -211,7 +213,9 @@ class Plan:
             if key in values and not isinstance(values[key], bool):
                 raise ValueError(f"plan: {key} must be true or false, got {values[key]!r}")
         for key in ("dp", "tp", "pp", "zero", "microbatches"):
-            if key in values and not isinstance(values[key], int):
+            if key in values and (
+                isinstance(values[key], bool) or not isinstance(values[key], int)
+            ):
                 raise ValueError(f"plan: {key} must be an integer, got {values[key]!r}")
         return cls(**values)
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,8 +48,7 @@ class Strategy(ABC):
     collective_forward: bool = False
 
     def __init__(self, **options: Any) -> None:
-        if options:
-            raise ValueError(f"strategy {self.name!r} takes no options {sorted(options)}")
+        check_options(self.name, options, ())
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -188,22 +188,75 @@ def _parse_value(text: str) -> OptionValue:
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, OptionValue]]:
-    """Split ``"name:k=v,k2=v2"`` into the name and typed options."""
+    """Split ``"name:k=v,k2=v2"`` into the name and typed options.
+
+    Raises:
+        ValueError: an item that is not ``key=value``, or a key given twice.
+    """
     name, _, rest = spec.strip().partition(":")
     options: dict[str, OptionValue] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
         if not eq or not key:
             raise ValueError(f"invalid strategy option {item!r} in {spec!r}: expected key=value")
-        options[key.strip().replace("-", "_")] = _parse_value(value.strip())
-    return name, options
+        if key in options:
+            raise ValueError(f"option {key!r} given twice in {spec!r}")
+        options[key] = _parse_value(value.strip())
+    return name.strip(), options
+
+
+def keyword_options(cls: type, *, exclude: Iterable[str] = ("self", "group")) -> list[str]:
+    """The keyword arguments `cls(...)` accepts, following ``**kwargs`` up the MRO.
+
+    Strategies use it to list the options a component (a compressor, a config) takes, so
+    an unknown option is refused with the accepted names instead of a TypeError at launch.
+    """
+    names: list[str] = []
+    skip = set(exclude)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        more = False
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                more = True
+            elif (
+                p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.name not in skip
+                and p.name not in names
+            ):
+                names.append(p.name)
+        if not more:
+            break
+    return names
+
+
+def check_options(strategy: str, options: Mapping[str, Any], accepted: Iterable[str]) -> None:
+    """Refuse options `strategy` does not take, naming the first and listing the accepted.
+
+    Raises:
+        ValueError: ``unknown option 'rnak' for strategy 'acpsgd' (accepted: rank, ...)``.
+    """
+    known = sorted(set(accepted))
+    for key in options:
+        if key not in known:
+            raise ValueError(
+                f"unknown option {key!r} for strategy {strategy!r} "
+                f"(accepted: {', '.join(known) if known else 'none'})"
+            )
 
 
 def make_strategy(spec: str, **overrides: Any) -> Strategy:
     """The strategy a spec names, with its options (plus `overrides`) applied.
 
+    Constructing a strategy builds nothing (no model, no process group, no thread): it
+    only checks the options, so a bad spec fails before anything is launched.
+
     Raises:
-        ValueError: unknown name or invalid options.
+        ValueError: unknown name, unknown option or a bad option value; the message names
+            the strategy and what it accepts.
     """
     _load_plugins()
     name, options = parse_spec(spec)
@@ -213,4 +266,20 @@ def make_strategy(spec: str, **overrides: Any) -> Strategy:
     try:
         return _REGISTRY[name](**options)
     except TypeError as exc:
-        raise ValueError(f"invalid options for strategy {name!r}: {exc}") from None
+        raise ValueError(f"invalid options for strategy {name!r}: {exc}") from exc
+    except ValueError as exc:
+        if f"{name!r}" in str(exc) or str(exc).startswith(f"{name}:"):
+            raise
+        raise ValueError(f"strategy {name!r}: {exc}") from exc
+
+
+def validate_spec(spec: str) -> None:
+    """Check a strategy spec completely (name, option names and values) and build nothing.
+
+    The command line calls this in the parent process, before any cluster or worker
+    exists, so a typo fails with one line instead of a traceback per rank.
+
+    Raises:
+        ValueError: as `make_strategy`.
+    """
+    make_strategy(spec).close()
