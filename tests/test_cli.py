@@ -142,3 +142,16 @@ def test_train_with_trace(tmp_path: Path) -> None:
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     cats = {e["cat"] for e in events if e["ph"] == "X"}
     assert {"compute", "comm", "optim"} <= cats
+
+
+def test_version_flag_and_module_entry_point() -> None:
+    import subprocess
+    import sys
+
+    from plait import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "plait", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"plait {__version__} (torch ")

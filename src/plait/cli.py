@@ -98,6 +98,14 @@ def train_config_from_args(args: argparse.Namespace) -> Any:
     return TrainConfig(**values)
 
 
+def _version_text() -> str:
+    import torch
+
+    from plait import __version__
+
+    return f"plait {__version__} (torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="plait",
@@ -106,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (also PLAIT_DEBUG=1)")  # fmt: skip
+    parser.add_argument("--version", action="version", version=_version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="end-to-end demonstration on an emulated 4-node cluster")
