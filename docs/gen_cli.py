@@ -65,6 +65,8 @@ def invocation(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     formatter = parser._get_formatter()
     if action.option_strings:
         return ", ".join(code(s) for s in formatter._format_action_invocation(action).split(", "))
+    if action.nargs == argparse.REMAINDER:
+        return code(f"{action.metavar or action.dest.upper()} ...")
     return code(formatter._format_args(action, action.dest))
 
 
@@ -107,7 +109,7 @@ def render(parser: argparse.ArgumentParser, level: int, summary: str, out: list[
         out.append("| argument | default | help |\n|---|---|---|")
         for action in actions:
             text = expand_help(action, prog)
-            if action.choices is not None and not isinstance(action.choices, dict):
+            if action.choices is not None and action.metavar is not None:
                 text += f" (one of {', '.join(code(str(c)) for c in action.choices)})"
             for members in exclusive:
                 if action in members and len(members) > 1:

@@ -1,8 +1,9 @@
 """API reference: one page per public module of src/plait, written at build time.
 
 Private modules (a name part starting with `_`), `__main__` and non-Python sources are
-skipped. Each page holds one mkdocstrings directive; the "API reference" entry of the
-navigation is expanded into one section per subpackage.
+skipped. Each page holds one mkdocstrings directive; a package's page lists what it
+re-exports with links to the defining modules, so every object is documented once. The
+"API reference" entry of the navigation is expanded into one section per subpackage.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 from pathlib import Path
 from typing import Any
 
+import griffe
 import mkdocs_gen_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,12 +43,52 @@ def page_of(module: str) -> str:
     return f"reference/{module}.md"
 
 
+def first_line(obj: griffe.Object | griffe.Alias) -> str:
+    doc = obj.docstring.value.strip() if obj.docstring else ""
+    return doc.splitlines()[0].replace("|", "\\|") if doc else ""
+
+
+def package_page(module: str) -> str:
+    """A package's own docstring and members, then its exports linked to where they live.
+
+    Re-exported objects are documented once, on the page of the module that defines them.
+    """
+    pkg = api if module == PACKAGE else api[module.removeprefix(PACKAGE + ".")]
+    own = [
+        name
+        for name, member in pkg.members.items()
+        if not name.startswith("_") and not member.is_alias and not member.is_module
+    ]
+    members = "[" + ", ".join(own) + "]" if own else "false"
+    text = f"# `{module}`\n\n::: {module}\n    options:\n      members: {members}\n"
+    rows = []
+    for name in [str(e) for e in (pkg.exports or [])]:
+        member = pkg.members.get(name)
+        if name.startswith("_") or member is None or not member.is_alias:
+            continue
+        try:
+            target = member.final_target
+        except griffe.AliasResolutionError:
+            rows.append(f"| `{name}` | |")
+            continue
+        private = any(part.startswith("_") for part in target.path.split("."))
+        link = f"`{name}`" if private else f"[`{name}`][{target.path}]"
+        rows.append(f"| {link} | {first_line(target)} |")
+    if rows:
+        text += "\n## Exports\n\n| name | summary |\n|---|---|\n" + "\n".join(rows) + "\n"
+    return text
+
+
 modules = public_modules()
+api = griffe.load(PACKAGE, search_paths=[str(SRC)], resolve_aliases=True, resolve_external=False)
 
 for module, path in modules:
     page = page_of(module)
     with mkdocs_gen_files.open(page, "w") as fh:
-        fh.write(f"# `{module}`\n\n::: {module}\n")
+        if path.name == "__init__.py":
+            fh.write(package_page(module))
+        else:
+            fh.write(f"# `{module}`\n\n::: {module}\n")
     mkdocs_gen_files.set_edit_path(page, path.relative_to(ROOT).as_posix())
 
 with mkdocs_gen_files.open(INDEX, "w") as fh:
