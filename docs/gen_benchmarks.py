@@ -70,11 +70,10 @@ results = (BENCH / "RESULTS.md").read_text(encoding="utf-8")
 with mkdocs_gen_files.open("results.md", "w") as fh:
     fh.write(
         "# Benchmark results\n\n"
-        "What each system achieved on the [emulated cluster](cluster.md) of one 2-core CPU "
-        "host, measured as the [benchmark protocol](protocol.md) prescribes. This table "
-        "opens [benchmarks/RESULTS.md](benchmarks/RESULTS.md), which gives for every row the "
-        "command that reproduces it, the full tables and the analysis; the raw records "
-        "(`results.json`, with the commit, command and machine) stay in the repository "
-        "beside each report.\n\n" + LINK.sub(rebase, summary_section(results))
+        "What each system achieved on the [emulated cluster](cluster.md), measured as the "
+        "[benchmark protocol](protocol.md) prescribes. This is the summary that opens "
+        "[benchmarks/RESULTS.md](benchmarks/RESULTS.md), copied from it at build time; the "
+        "raw records (`results.json`) stay in the repository beside each report.\n\n"
+        + LINK.sub(rebase, summary_section(results))
     )
 mkdocs_gen_files.set_edit_path("results.md", "benchmarks/RESULTS.md")
