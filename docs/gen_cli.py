@@ -122,7 +122,7 @@ def render(parser: argparse.ArgumentParser, level: int, summary: str, out: list[
     subs = subcommands(parser)
     if subs:
         out.append("| command | what it does |\n|---|---|")
-        for name, text, sub in subs:
+        for _, text, sub in subs:
             anchor = sub.prog.replace(" ", "-").lower()
             out.append(f"| [`{sub.prog}`](#{anchor}) | {cell(text)} |")
         out.append("")
