@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 
-.PHONY: install demo test lint typecheck check bench bench-fused clean
+.PHONY: install demo test lint typecheck check bench bench-fused docs clean
 
 install: $(STAMP)
 
@@ -37,5 +37,9 @@ bench: install
 bench-fused: install
 	$(BIN)/plait bench-fused --threads 1,2 --out benchmarks/hfta/grid
 
+# The documentation site (mkdocs.yml, docs/) into site/; strict: broken links fail.
+docs: install
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
