@@ -160,7 +160,8 @@ class Workload:
             raise ValueError(f"workload {self.name!r}: lr must be > 0, got {self.lr}")
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise ValueError(
-                f"workload {self.name!r}: optimizer {self.optimizer!r}; choose from sgd, adam, adamw"
+                f"workload {self.name!r}: optimizer {self.optimizer!r}; "
+                "choose from sgd, adam, adamw"
             )
 
     def model(self, info: DataInfo, *, bench: bool = False, **arch: Any) -> nn.Module:
