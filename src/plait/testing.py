@@ -221,6 +221,17 @@ def _faulty_worker(  # noqa: PLR0917 - multiprocessing passes arguments position
     os._exit(0)
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP): it will never report by itself."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in {"T", "t"}
+    except (OSError, IndexError):
+        return False
+
+
 def run_faulty(
     fn: Callable[..., Any],
     *args: Any,
@@ -235,7 +246,8 @@ def run_faulty(
     or stopped peer must give up within about that time. Once every rank has returned,
     raised or died, or `grace_s` (default: three collective timeouts plus 30 s for
     spawning) has passed, every process still running is killed with SIGKILL (which also
-    ends a SIGSTOPped one) and reported as ``"hung"``.
+    ends a SIGSTOPped one) and reported as ``"hung"``. A stopped rank counts as finished
+    for that wait: it cannot report until someone resumes it.
 
     Returns:
         One `Outcome` per rank, in rank order.
@@ -273,7 +285,7 @@ def run_faulty(
     try:
         while time.monotonic() < deadline:
             drain(0.2)
-            gone = {r for r, p in enumerate(procs) if p.exitcode is not None}
+            gone = {r for r, p in enumerate(procs) if p.exitcode is not None or _stopped(p.pid)}
             if len(reported.keys() | gone) == world_size:
                 break
         drain(0.5)  # a result sent just before its process exited

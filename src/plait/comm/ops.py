@@ -79,8 +79,11 @@ def collective_error(op: Collective | str, name: str, group: Group, cause: BaseE
     if isinstance(cause, CollectiveError):
         return cause
     text = str(cause).strip()
-    if text.startswith(_TORCH_CALLBACK):
-        text = text[len(_TORCH_CALLBACK) :]
+    while True:  # each torch future callback in the chain prefixed the text once more
+        stripped = text.removeprefix("RuntimeError: ").removeprefix(_TORCH_CALLBACK)
+        if stripped == text:
+            break
+        text = stripped
     first = text.split("\n\nAt:")[0].strip()
     ranks = _group_ranks(group)
     me = dist.get_rank() if dist.is_initialized() else 0
