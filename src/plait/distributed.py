@@ -79,7 +79,7 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     return dist.new_group(ranks=list(ranks) if ranks is not None else None, **kwargs)
 
 
-def mesh_backend_options(ndim: int) -> dict[int, Any]:
+def mesh_backend_options(ndim: int) -> dict[int | str, Any]:
     """`init_device_mesh`'s ``backend_override`` giving every axis group plait's timeout.
 
     A device mesh creates one group per axis slice with torch's default timeout unless its
@@ -87,7 +87,7 @@ def mesh_backend_options(ndim: int) -> dict[int, Any]:
     """
     timeout = collective_timeout()
     backend = str(dist.get_backend()) if dist.is_initialized() else "gloo"
-    out: dict[int, Any] = {}
+    out: dict[int | str, Any] = {}
     for dim in range(ndim):
         opts: Any
         if "nccl" in backend:

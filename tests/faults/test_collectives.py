@@ -80,8 +80,9 @@ def _kfac(rank: int, world: int, mode: str) -> int:
 
 
 def _plan(rank: int, world: int, plan: str, mode: str) -> int:
-    import plait
     from tests.parallel.common import BATCH, batches, gpt, loss_fn
+
+    import plait
 
     model, opt = plait.parallelize(gpt(), torch.optim.AdamW(gpt().parameters()), plan,
                                    loss_fn=loss_fn)  # fmt: skip
@@ -118,7 +119,7 @@ def _check(
         if name_peer:
             assert f"peer rank {world - 1}" in o.message, o.message
         assert o.elapsed_s is not None and o.elapsed_s < TIMEOUT_S + SLACK_S, o.elapsed_s
-    if mode == "stop":  # it must have waited out the timeout, not failed at once
+    if mode == "stop" and plait_comm:  # it waited out the timeout, not failed at once
         assert all("did not answer" in o.message for o in outcomes[:-1]), outcomes
 
 

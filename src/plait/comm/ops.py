@@ -131,8 +131,9 @@ def _reraise(exc: RuntimeError) -> NoReturn:
     at = text.find(tag)
     if at < 0:
         raise exc
-    message = text[at + len(tag) :].split("\n\nAt:")[0].strip()
+    message = text[at + len(tag) :].split("\n\nAt:", maxsplit=1)[0].strip()
     raise CollectiveError(message) from exc
+
 
 # torch 2.13 renamed the flat-tensor collectives; keep both spellings working
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

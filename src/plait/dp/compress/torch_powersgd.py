@@ -27,8 +27,8 @@ from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from plait.comm import Collective, world_size
-from plait.comm.ops import collective_error
 from plait.comm import stats as comm_stats
+from plait.comm.ops import collective_error
 from plait.dp.compress.base import Compressor, check_positive
 from plait.dp.compress.lowrank import matrix_shape
 from plait.dp.compress.powersgd import duplicate_group
