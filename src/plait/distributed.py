@@ -4,16 +4,26 @@ Under torchrun (or any launcher that sets RANK/WORLD_SIZE) it initialises the de
 group: NCCL when the process has a GPU, gloo otherwise, always with a timeout so that a
 missing peer fails the job instead of hanging it. Without those variables the process is
 a world of one and no group is created.
+
+Every group plait creates after that (K-FAC's blocks, Power-SGD's private group, the
+crossover models' groups, the parallel mesh's axes) goes through `new_group`, which gives
+it the default group's timeout: torch would give subgroups its own 30-minute default, so a
+stopped peer would hang a K-FAC or Power-SGD step for half an hour instead of failing it.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a collective may wait for its peers before the job fails (PLAIT_TIMEOUT).
 DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
@@ -32,6 +42,62 @@ def init_distributed(*, timeout_s: float | None = None, backend: str | None = No
     timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_world_size()
+
+
+def collective_timeout(group: Any = None) -> datetime.timedelta:
+    """The timeout `group`'s collectives wait for their peers (default: the default group's).
+
+    Read from the group's backend, so it is the timeout the group was really created with
+    (by `init_distributed`, a test harness or the user's own ``init_process_group``);
+    PLAIT_TIMEOUT when the group does not say or none is initialised.
+    """
+    fallback = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    if not dist.is_initialized():
+        return fallback
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for dev in ("cuda", "cpu"):
+        try:
+            timeout = pg._get_backend(torch.device(dev)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    return fallback
+
+
+def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
+    """``dist.new_group(ranks)`` with the default group's timeout (see `collective_timeout`).
+
+    Collective over the default group unless ``use_local_synchronization=True``: every
+    rank must create the same groups in the same order.
+
+    Args:
+        ranks: global ranks of the group (None: all).
+        **kwargs: passed to `torch.distributed.new_group`; ``timeout`` overrides plait's.
+    """
+    kwargs.setdefault("timeout", collective_timeout())
+    return dist.new_group(ranks=list(ranks) if ranks is not None else None, **kwargs)
+
+
+def mesh_backend_options(ndim: int) -> dict[int | str, Any]:
+    """`init_device_mesh`'s ``backend_override`` giving every axis group plait's timeout.
+
+    A device mesh creates one group per axis slice with torch's default timeout unless its
+    backend options carry one; these options carry `collective_timeout`.
+    """
+    timeout = collective_timeout()
+    backend = str(dist.get_backend()) if dist.is_initialized() else "gloo"
+    out: dict[int | str, Any] = {}
+    for dim in range(ndim):
+        opts: Any
+        if "nccl" in backend:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
+        else:
+            opts = torch._C._distributed_c10d.Backend.Options(backend, timeout)
+        opts._timeout = timeout
+        out[dim] = opts  # the default group's backend, these options
+    return out
 
 
 def rank() -> int:

@@ -8,6 +8,12 @@ killing the others, so a broken collective cannot hang a test suite.
 
 `fn` must be importable by name (a module-level function), as spawned processes
 unpickle it.
+
+``run_faulty(fn, world_size=2, collective_timeout_s=10)`` is the fault-injection variant:
+ranks may die (``os._exit``, a signal) or stop on purpose, and instead of failing on the
+first of them it returns one `Outcome` per rank (returned, raised, died or hung) with the
+time each surviving rank took, so a test can check that the survivors fail, how, and how
+fast.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from plait.cluster.launch import free_port
 
@@ -141,3 +149,167 @@ def run_distributed(
                 p.kill()
                 p.join(timeout=5)
     return [out[r] for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one rank of `run_faulty` ended.
+
+    Attributes:
+        rank: the rank.
+        status: ``"returned"`` (fn returned `value`), ``"raised"`` (fn raised: `error` holds
+            the traceback, `message` the exception's type and text), ``"died"`` (the process
+            exited without a result: `exitcode`), or ``"hung"`` (still running when the
+            others had finished and the grace period ran out; it was killed).
+        value: fn's return value (``"returned"`` only).
+        error: the formatted traceback (``"raised"`` only).
+        message: ``"Type: text"`` of the exception (``"raised"`` only).
+        exitcode: the process's exit code (negative: killed by that signal).
+        elapsed_s: seconds from fn's start to its return or raise, measured by the rank.
+    """
+
+    rank: int
+    status: Literal["returned", "raised", "died", "hung"]
+    value: Any = None
+    error: str = ""
+    message: str = ""
+    exitcode: int | None = None
+    elapsed_s: float | None = None
+
+
+def _faulty_worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: Mapping[str, str],
+    timeout_s: float,
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    start = time.monotonic()
+    try:
+        value = fn(rank, world_size, *args)
+    except BaseException as exc:
+        elapsed = time.monotonic() - start
+        message = f"{type(exc).__name__}: {exc}"
+        results.put((rank, False, (traceback.format_exc(), message), elapsed))
+    else:
+        elapsed = time.monotonic() - start
+        results.put((rank, True, pickle.dumps(value), elapsed))
+    # no orderly shutdown: after a fault, destroying a gloo group can block on dead peers
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP): it will never report by itself."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in {"T", "t"}
+    except (OSError, IndexError):
+        return False
+
+
+def run_faulty(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    collective_timeout_s: float = 10.0,
+    grace_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[Outcome]:
+    """Run ``fn(rank, world_size, *args)`` on spawned ranks that may fail on purpose.
+
+    The gloo group is initialised with `collective_timeout_s`, so a rank blocked on a dead
+    or stopped peer must give up within about that time. Once every rank has returned,
+    raised or died, or `grace_s` (default: three collective timeouts plus 30 s for
+    spawning) has passed, every process still running is killed with SIGKILL (which also
+    ends a SIGSTOPped one) and reported as ``"hung"``. A stopped rank counts as finished
+    for that wait: it cannot report until someone resumes it.
+
+    Returns:
+        One `Outcome` per rank, in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    base_env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_faulty_worker,
+            args=(r, world_size, port, fn, args, base_env, collective_timeout_s, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    limit = 3 * collective_timeout_s + 30.0 if grace_s is None else grace_s
+    deadline = time.monotonic() + limit
+    reported: dict[int, Outcome] = {}
+
+    def drain(wait_s: float) -> None:
+        with contextlib.suppress(queue.Empty):
+            rank, ok, payload, elapsed = results.get(timeout=wait_s)
+            if ok:
+                reported[rank] = Outcome(rank, "returned", value=pickle.loads(payload),
+                                         elapsed_s=elapsed)  # fmt: skip
+            else:
+                reported[rank] = Outcome(rank, "raised", error=payload[0], message=payload[1],
+                                         elapsed_s=elapsed)  # fmt: skip
+
+    try:
+        while time.monotonic() < deadline:
+            drain(0.2)
+            gone = {r for r, p in enumerate(procs) if p.exitcode is not None or _stopped(p.pid)}
+            if len(reported.keys() | gone) == world_size:
+                break
+        drain(0.5)  # a result sent just before its process exited
+        while True:
+            before = len(reported)
+            drain(0.05)
+            if len(reported) == before:
+                break
+    finally:
+        hung = set()
+        for r, p in enumerate(procs):
+            if p.is_alive() and r not in reported:
+                hung.add(r)
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        for p in procs:
+            p.join(timeout=10)
+    out: list[Outcome] = []
+    for r, p in enumerate(procs):
+        if r in reported:
+            o = reported[r]
+            out.append(Outcome(o.rank, o.status, o.value, o.error, o.message, p.exitcode,
+                               o.elapsed_s))  # fmt: skip
+        else:
+            out.append(Outcome(r, "hung" if r in hung else "died", exitcode=p.exitcode))
+    return out

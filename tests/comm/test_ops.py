@@ -38,3 +38,33 @@ def test_collectives_are_correct_and_counted(world: int) -> None:
                 (Collective.BROADCAST, 12, world),
                 (Collective.REDUCE_SCATTER, 16 * world, world),
             ]
+
+
+def _describe(rank: int, world: int) -> tuple[str, int | None, str]:
+    from plait.comm import CollectiveError, wait
+    from plait.comm.ops import collective_error
+
+    err = collective_error(
+        Collective.ALL_REDUCE, "allreduce b0", None,
+        RuntimeError("Read error [127.0.0.1]:4242: Connection reset by peer"),
+    )  # fmt: skip
+    src: torch.futures.Future[None] = torch.futures.Future()
+
+    def fail(_: torch.futures.Future[None]) -> None:
+        raise err
+
+    chained = src.then(fail)
+    src.set_result(None)
+    try:
+        wait(chained)
+    except CollectiveError as typed:  # wait() turns torch's text back into the type
+        return str(err), err.peer, str(typed)
+    return str(err), err.peer, ""
+
+
+def test_collective_error_names_the_group_and_the_lost_peer() -> None:
+    for rank, (message, peer, typed) in enumerate(run_distributed(_describe, world_size=2)):
+        assert peer == 1 - rank
+        assert f"failed on rank {rank} in the group of ranks [0, 1] (size 2)" in message
+        assert f"peer rank {1 - rank} ([127.0.0.1]:4242) lost" in message
+        assert typed == message

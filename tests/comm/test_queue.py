@@ -82,3 +82,27 @@ def test_counters_window() -> None:
     with stats.window() as recs:
         all_reduce(torch.ones(10))  # world 1: no traffic, nothing recorded
     assert recs == []
+
+
+def test_failed_job_fails_later_jobs_and_real_future_errors() -> None:
+    """After a failure the ranks' collective order has diverged: later jobs must not run,
+    and the futures must carry real errors (DDP reads them in C++, not through Python)."""
+    q = CollectiveQueue(timeout_s=5)
+    ran: list[int] = []
+
+    def boom() -> None:
+        raise RuntimeError("peer vanished")
+
+    first = q.submit(boom)
+    later = q.submit(ran.append, 1)
+    with pytest.raises(RuntimeError, match="peer vanished"):
+        q.drain()
+    assert ran == []
+    with pytest.raises(RuntimeError, match="earlier job failed"):
+        later.wait()
+    chained = first.then(lambda f: f.value())  # a torch-level error, not a returned object
+    with pytest.raises(RuntimeError, match="peer vanished"):
+        chained.wait()
+    with pytest.raises(RuntimeError, match="peer vanished"):
+        q.drain()  # a failed queue stays failed
+    q.close()

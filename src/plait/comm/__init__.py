@@ -10,7 +10,15 @@ from plait.comm.fusion import (
     ThresholdPlanner,
     bucket_sizes,
 )
-from plait.comm.ops import all_gather, all_reduce, broadcast, reduce_scatter, world_size
+from plait.comm.ops import (
+    CollectiveError,
+    all_gather,
+    all_reduce,
+    broadcast,
+    reduce_scatter,
+    wait,
+    world_size,
+)
 from plait.comm.queue import CollectiveQueue
 from plait.comm.stats import Collective, CollectiveRecord, CommStats, stats, wire_bytes
 
@@ -18,6 +26,7 @@ __all__ = [
     "AlphaBeta",
     "Collective",
     "CollectiveCosts",
+    "CollectiveError",
     "CollectiveQueue",
     "CollectiveRecord",
     "CommStats",
@@ -31,6 +40,7 @@ __all__ = [
     "bucket_sizes",
     "reduce_scatter",
     "stats",
+    "wait",
     "wire_bytes",
     "world_size",
 ]

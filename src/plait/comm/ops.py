@@ -8,11 +8,18 @@ On gloo every collective must be issued in the same order on every rank. Issue t
 one thread (a DDP hook runs on the autograd thread in bucket order) or through a
 `CollectiveQueue`; never from a future's callback, which runs on whichever thread completes
 the previous collective.
+
+A collective that fails (a peer died, stopped past the group's timeout, or issued a
+different collective) never yields its local, un-averaged input: its future carries a
+`CollectiveError` naming the collective, the group and, where the transport says which,
+the lost peer, so every rank waiting on it raises instead of training on alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import re
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -21,6 +28,112 @@ from plait.comm.stats import Collective, stats
 from plait.trace import COMM, tracer
 
 Group = Any  # dist.ProcessGroup | None: None means the default group
+
+logger = logging.getLogger(__name__)
+
+_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+_PEER_RANK = re.compile(r"\b(?:peer|remote|source|src)?\s*rank[ :=]+(\d+)", re.IGNORECASE)
+_LOST = ("reset by peer", "closed by peer", "broken pipe", "connection refused", "eof")
+_TORCH_CALLBACK = "Got the following error when running the callback: "
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: its result must not be used.
+
+    The message names the collective, this rank, the group's ranks and the cause (the
+    lost peer where the transport says which). It travels through torch futures as text:
+    a future's callback chain and DDP re-raise it as a RuntimeError whose message contains
+    ``CollectiveError: ...``; `wait` turns such an error back into a `CollectiveError`.
+
+    Attributes:
+        collective: the traced name of the collective (``"allreduce b3"``).
+        ranks: global ranks of the group.
+        peer: global rank of the lost peer when known, else None.
+    """
+
+    def __init__(
+        self, message: str, *, collective: str = "", ranks: tuple[int, ...] = (),
+        peer: int | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.collective = collective
+        self.ranks = ranks
+        self.peer = peer
+
+
+def _group_ranks(group: Group) -> tuple[int, ...]:
+    try:
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except (RuntimeError, ValueError):  # destroyed or unknown group: name what we can
+        return ()
+
+
+def collective_error(op: Collective | str, name: str, group: Group, cause: BaseException) -> (
+    CollectiveError
+):  # fmt: skip
+    """Describe the failure `cause` of collective `name` (`op`) on `group`.
+
+    The peer is named when the transport's message gives its rank, or when the group has
+    exactly one other member; otherwise the message keeps the peer's address as given.
+    """
+    if isinstance(cause, CollectiveError):
+        return cause
+    text = str(cause).strip()
+    while True:  # each torch future callback in the chain prefixed the text once more
+        stripped = text.removeprefix("RuntimeError: ").removeprefix(_TORCH_CALLBACK)
+        if stripped == text:
+            break
+        text = stripped
+    first = text.split("\n\nAt:")[0].strip()
+    ranks = _group_ranks(group)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    peer: int | None = None
+    found = _PEER_RANK.search(first)
+    if found is not None and int(found.group(1)) in ranks and int(found.group(1)) != me:
+        peer = int(found.group(1))
+    elif len(ranks) == 2 and me in ranks:
+        peer = ranks[0] if ranks[1] == me else ranks[1]
+    lowered = first.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        what = "did not answer within the group's timeout (stopped, hung or too slow)"
+    elif any(k in lowered for k in _LOST):
+        what = "lost (its process died or its connection closed)"
+    else:
+        what = "failed"
+    addr = _ADDRESS.search(first)
+    where = f" ([{addr.group(1)}]:{addr.group(2)})" if addr else ""
+    who = f"peer rank {peer}{where}" if peer is not None else f"a peer{where}"
+    op_name = op.value if isinstance(op, Collective) else str(op)
+    message = (
+        f"collective {name!r} ({op_name}) failed on rank {me} in the group of ranks "
+        f"{list(ranks)} (size {len(ranks)}): {who} {what}; cause: {first}"
+    )
+    return CollectiveError(message, collective=name, ranks=ranks, peer=peer)
+
+
+def wait(fut: torch.futures.Future[Any]) -> Any:
+    """``fut.wait()``, re-raising a failed collective as a `CollectiveError`.
+
+    Torch futures carry errors as text, so an error raised in a callback comes back as a
+    RuntimeError; this recovers the `CollectiveError` it started as.
+    """
+    try:
+        return fut.wait()
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        _reraise(exc)
+
+
+def _reraise(exc: RuntimeError) -> NoReturn:
+    text = str(exc)
+    tag = "CollectiveError: "
+    at = text.find(tag)
+    if at < 0:
+        raise exc
+    message = text[at + len(tag) :].split("\n\nAt:", maxsplit=1)[0].strip()
+    raise CollectiveError(message) from exc
+
 
 # torch 2.13 renamed the flat-tensor collectives; keep both spellings working
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,20 +165,31 @@ def _issue(
     nbytes = tensor.numel() * tensor.element_size()
     stats.add(op, nbytes, world_size(group))
     start = tracer.now_us()
-    work = launch()
     try:
-        fut: torch.futures.Future[Any] = work.get_future()
-    except RuntimeError:  # some gloo works (reduce_scatter) have no future: wait here
-        work.wait()
-        fut = _done_future(out)
+        work = launch()
+        try:
+            fut: torch.futures.Future[Any] = work.get_future()
+        except RuntimeError:  # some gloo works (reduce_scatter) have no future: wait here
+            work.wait()
+            fut = _done_future(out)
+    except RuntimeError as exc:
+        err = collective_error(op, name, group, exc)
+        logger.debug("%s", err)
+        raise err from exc
 
-    def finish(_: torch.futures.Future[Any]) -> torch.Tensor:
+    def finish(done: torch.futures.Future[Any]) -> torch.Tensor:
         tracer.add(name, COMM, start, tracer.now_us(), thread="comm", args={"bytes": nbytes})
+        try:
+            done.value()  # raises if the collective failed: never hand back `out` then
+        except Exception as exc:
+            err = collective_error(op, name, group, exc)
+            logger.debug("%s", err)
+            raise err from exc
         return out
 
     result = fut.then(finish)
     if not async_op:
-        result.wait()
+        wait(result)
     return result
 
 

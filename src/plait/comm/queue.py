@@ -8,11 +8,16 @@ fix: callers submit *jobs* (functions that issue collectives and compute between
 and one communication thread per queue runs them strictly first-in first-out, so the order
 is the submission order on every rank while the caller (say, backward) keeps computing.
 
-Jobs return values through `torch.futures.Future`, the type DDP comm hooks return.
+Jobs return values through `torch.futures.Future`, the type DDP comm hooks return. A job
+that raises fails its future with a real future error (so DDP, which reads the future in
+C++, raises it), and every later job fails at once without running: the ranks' collective
+sequences have diverged, and running more collectives could only hang or mix them up.
+`drain` re-raises the first failure until the queue is closed.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -20,10 +25,26 @@ from typing import Any, TypeVar
 
 import torch
 
+from plait.comm.ops import CollectiveError
 from plait.trace import COMM, tracer
 
 T = TypeVar("T")
 _STOP = object()
+logger = logging.getLogger(__name__)
+
+
+class _Failed:
+    """A job's exception, carried as a value to the future's error-raising callback."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _unwrap(done: torch.futures.Future[Any]) -> Any:
+    value = done.value()
+    if isinstance(value, _Failed):
+        raise value.exc
+    return value
 
 
 class CollectiveQueue:
@@ -52,12 +73,17 @@ class CollectiveQueue:
     def submit(
         self, fn: Callable[..., T], *args: Any, name: str | None = None
     ) -> torch.futures.Future[T]:
-        """Run ``fn(*args)`` on the communication thread after every earlier job."""
-        fut: torch.futures.Future[T] = torch.futures.Future()
+        """Run ``fn(*args)`` on the communication thread after every earlier job.
+
+        The returned future yields ``fn``'s result, or fails with the exception ``fn``
+        raised (a RuntimeError naming it when seen through torch's future machinery).
+        """
+        inner: torch.futures.Future[Any] = torch.futures.Future()
+        fut: torch.futures.Future[T] = inner.then(_unwrap)
         with self._cv:
             self._pending += 1
         self._ensure_thread()
-        self._jobs.put((fn, args, fut, name or getattr(fn, "__name__", "job")))
+        self._jobs.put((fn, args, inner, name or getattr(fn, "__name__", "job")))
         return fut
 
     def _loop(self) -> None:
@@ -65,21 +91,42 @@ class CollectiveQueue:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            fn, args, fut, name = item
-            start = tracer.now_us()
+            fn, args, inner, name = item
             try:
-                result = fn(*args)
-            except BaseException as exc:  # propagate to the waiter, keep serving
-                with self._cv:
-                    self._error = exc
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+                self._run(fn, args, inner, name)
+            except BaseException as exc:  # bookkeeping failed: never leave a waiter hanging
+                logger.exception("collective queue %r: job %r bookkeeping failed", self.name, name)
+                if not inner.done():
+                    inner.set_result(_Failed(exc if isinstance(exc, Exception) else
+                                             RuntimeError(repr(exc))))  # fmt: skip
             finally:
-                tracer.add(name, COMM, start, tracer.now_us(), thread=self.name)
                 with self._cv:
                     self._pending -= 1
                     self._cv.notify_all()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], inner: Any, name: str) -> None:
+        with self._cv:
+            earlier = self._error
+        if earlier is not None:
+            inner.set_result(_Failed(CollectiveError(
+                f"collective queue {self.name!r}: job {name!r} not run, an earlier job "
+                f"failed: {earlier}"
+            )))  # fmt: skip
+            return
+        start = tracer.now_us()
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # propagate to the waiter; later jobs fail fast
+            logger.debug("collective queue %r: job %r failed: %s", self.name, name, exc)
+            with self._cv:
+                self._error = exc
+            if not isinstance(exc, Exception):  # futures carry Exceptions only
+                exc = RuntimeError(f"job {name!r} interrupted: {exc!r}")
+            inner.set_result(_Failed(exc))
+        else:
+            inner.set_result(result)
+        finally:
+            tracer.add(name, COMM, start, tracer.now_us(), thread=self.name)
 
     @property
     def pending(self) -> int:
@@ -87,7 +134,10 @@ class CollectiveQueue:
             return self._pending
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Block until every submitted job has finished; re-raise the first failure."""
+        """Block until every submitted job has finished; re-raise the first failure.
+
+        A failed queue stays failed: every later `drain` raises the same error.
+        """
         limit = self.timeout_s if timeout_s is None else timeout_s
         with self._cv:
             if not self._cv.wait_for(lambda: self._pending == 0, timeout=limit):
@@ -95,7 +145,7 @@ class CollectiveQueue:
                     f"collective queue {self.name!r}: {self._pending} job(s) unfinished after "
                     f"{limit:.0f}s (a peer is missing or issued collectives in another order)"
                 )
-            err, self._error = self._error, None
+            err = self._error
         if err is not None:
             raise err
 

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm import FusionItem, ThresholdPlanner, all_reduce, world_size
+from plait.comm import FusionItem, ThresholdPlanner, all_reduce, wait, world_size
 from plait.comm.fusion import DDP_DEFAULT_BUCKET_MB
+from plait.distributed import new_group
 from plait.trace import COMPUTE, OPTIM, span
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,7 +48,8 @@ class InterleavedModels:
         optimizers: one optimizer per model.
         bucket_cap_mb: fusion threshold of the gradient buckets.
         groups: one process group per model (default: a new group over all ranks for
-            each, created collectively, so their collectives run concurrently).
+            each, created collectively with plait's collective timeout, so their
+            collectives run concurrently).
     """
 
     def __init__(
@@ -66,7 +68,7 @@ class InterleavedModels:
         if groups is not None and len(groups) != len(models):
             raise ValueError(f"need one process group per model, got {len(groups)}")
         if groups is None:
-            groups = [dist.new_group() if dist.is_initialized() else None for _ in models]
+            groups = [new_group() if dist.is_initialized() else None for _ in models]
         planner = ThresholdPlanner(threshold_bytes=int(bucket_cap_mb * 2**20))
         self.members: list[_Member] = []
         for model, opt, group in zip(models, optimizers, groups, strict=True):
@@ -95,7 +97,7 @@ class InterleavedModels:
     def _finish(self, m: _Member) -> None:
         """Wait for `m`'s gradients, write them back, and step its optimizer."""
         for bucket, flat, fut in zip(m.buckets, m.flats, m.futures, strict=True):
-            fut.wait()
+            wait(fut)  # raises CollectiveError if a peer is gone: never step on local grads
             offset = 0
             for q in bucket:
                 n = q.numel()

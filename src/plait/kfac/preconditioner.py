@@ -36,6 +36,7 @@ from torch import nn
 from plait.comm import ops
 from plait.comm.cost import AlphaBeta
 from plait.comm.stats import Collective
+from plait.distributed import new_group
 from plait.kfac.config import KFACConfig, check_value
 from plait.kfac.factors import (
     InverseForm,
@@ -148,7 +149,7 @@ class KFAC:
         self.group: Any = None
         if self.world > 1:
             ranks = self._ranks or list(range(self.world))
-            self.group = dist.new_group(ranks)
+            self.group = new_group(ranks)
             self._groups[tuple(range(self.world))] = self.group
         self.cost = self._measure_links()
         self.inverse_rate_s, self.flop_s = self._measure_compute()
@@ -218,7 +219,7 @@ class KFAC:
             tuples += [tuple(range(j, self.world, size)) for j in range(size)]
         for t in tuples:
             if t not in self._groups:
-                self._groups[t] = dist.new_group([ranks[i] for i in t])
+                self._groups[t] = new_group([ranks[i] for i in t])
 
     def _group_size(self) -> int:
         d = Distribution(self.cfg.distribution)

@@ -67,7 +67,7 @@ class GradientSync:
                 (bucket, flat, ops.all_reduce(flat, group=self.group, name=f"dp grad b{b}"))
             )
         for bucket, flat, fut in pending:
-            fut.wait()
+            ops.wait(fut)  # raises CollectiveError if a peer is gone: never keep local grads
             offset = 0
             for i in bucket:
                 n = grads[i].numel()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plait.distributed import mesh_backend_options
 from plait.parallel.plan import Plan
 
 AXES = ("pp", "dp", "tp")
@@ -37,7 +38,10 @@ class ParallelMesh:
         plan = plan.validate(world=world)
         dev = device or torch.device("cpu")
         shape = (plan.pp, plan.data_degree(world), plan.tp)
-        mesh = init_device_mesh(dev.type, shape, mesh_dim_names=AXES)
+        # every axis group carries plait's timeout, not torch's 30-minute default
+        mesh = init_device_mesh(
+            dev.type, shape, mesh_dim_names=AXES, backend_override=mesh_backend_options(len(AXES))
+        )
         return cls(mesh=mesh, plan=plan)
 
     def sub(self, axis: str) -> DeviceMesh:

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from plait._proc import usable_cpus
 from plait.comm import AlphaBeta, Collective, CollectiveCosts
+from plait.distributed import new_group
 from plait.parallel.adapters import ModelDims, adapter_for
 from plait.parallel.api import LossFn, cross_entropy
 from plait.parallel.memory import (
@@ -511,7 +512,7 @@ def _time_block(block: nn.Module, x: torch.Tensor, repeats: int) -> float:
 def _one_rank_mesh() -> Iterator[DeviceMesh]:
     """A device mesh of this rank alone (a private group; a temporary world outside jobs)."""
     if dist.is_initialized():
-        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        group = new_group([dist.get_rank()], use_local_synchronization=True)
         yield DeviceMesh.from_group(group, "cpu")
         dist.destroy_process_group(group)
         return

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_reduce, world_size
+from plait.comm import all_reduce, wait, world_size
 from plait.dp.compress.lowrank import (
     BucketPlan,
     LowRankCompressor,
@@ -69,7 +69,7 @@ class ACPSGD(LowRankCompressor):
             buf = bucket.buffer()
             buf.div_(p)
             fut = all_reduce(buf, group=self.group, name=f"allreduce b{index}")
-            return fut.then(lambda f: self._warm_factors(plan, grads, f.value()))
+            return fut.then(lambda f: self._warm_factors(plan, grads, wait(f)))
         which = phase.value
         wire = plan.wire_buffer(which)
         sends = plan.factor_views(wire, which)
@@ -85,7 +85,7 @@ class ACPSGD(LowRankCompressor):
         fut = all_reduce(wire, group=self.group, name=f"allreduce b{index}")
 
         def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            f.value()  # re-raise a failed all-reduce
+            wait(f)  # re-raise a failed all-reduce
             start = tracer.now_us()
             for g, avg in zip(plan.groups, sends, strict=True):
                 mats = g.matrices(grads)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_reduce, world_size
+from plait.comm import all_reduce, wait, world_size
 from plait.dp.compress.base import Compressor
 from plait.trace import COMPRESS, span, tracer
 
@@ -35,7 +35,7 @@ class CastAllReduce(Compressor):
 
         def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             start = tracer.now_us()
-            buf.copy_(f.value())
+            buf.copy_(wait(f))
             tracer.add("decompress", COMPRESS, start, tracer.now_us())
             return buf
 

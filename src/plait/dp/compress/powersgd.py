@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import CollectiveQueue, all_reduce, world_size
+from plait.comm import CollectiveQueue, all_reduce, wait, world_size
+from plait.distributed import new_group
 from plait.dp.compress.lowrank import (
     LowRankCompressor,
     Phase,
@@ -37,11 +38,15 @@ from plait.trace import COMPRESS, span, tracer
 
 
 def duplicate_group(group: Any) -> Any:
-    """A new process group over the ranks of `group` (collective: call on every rank)."""
+    """A new process group over the ranks of `group` (collective: call on every rank).
+
+    It carries plait's collective timeout (`plait.distributed.new_group`), so a stopped
+    peer fails the step instead of hanging it for torch's 30-minute default.
+    """
     if not dist.is_initialized():
         return group
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks)
+    return new_group(ranks)
 
 
 class PowerSGD(LowRankCompressor):
@@ -97,7 +102,7 @@ class PowerSGD(LowRankCompressor):
             buf = bucket.buffer()
             buf.div_(p)
             return self.queue.submit(
-                lambda: all_reduce(buf, group=group, name=f"allreduce b{index}").wait(),
+                lambda: wait(all_reduce(buf, group=group, name=f"allreduce b{index}")),
                 name=f"dense b{index}",
             )
         grads = bucket.gradients()
@@ -115,14 +120,14 @@ class PowerSGD(LowRankCompressor):
             p_wire.div_(p)
 
         def pipeline() -> torch.Tensor:
-            all_reduce(p_wire, group=group, name=f"allreduce P b{index}").wait()
+            wait(all_reduce(p_wire, group=group, name=f"allreduce P b{index}"))
             with span(f"compress Q b{index}", COMPRESS):
                 for g, pt, qt in zip(plan.groups, ps, qs, strict=True):
                     orthonormalize_rows_(pt)
                     torch.bmm(pt, g.error, out=qt)  # Q^T = P^T M
                 q_wire.div_(p)
             if q_wire.numel():
-                all_reduce(q_wire, group=group, name=f"allreduce Q b{index}").wait()
+                wait(all_reduce(q_wire, group=group, name=f"allreduce Q b{index}"))
             start = tracer.now_us()
             for g, pt, qt in zip(plan.groups, ps, qs, strict=True):
                 mats = g.matrices(grads)

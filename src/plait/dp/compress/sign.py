@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_gather, world_size
+from plait.comm import all_gather, wait, world_size
 from plait.dp.compress.feedback import ErrorFeedbackCompressor
 from plait.trace import COMPRESS, span, tracer
 
@@ -50,7 +50,7 @@ class SignSGD(ErrorFeedbackCompressor):
 
         def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             start = tracer.now_us()
-            gathered = f.value()  # [p, 4 * tensors + bits]
+            gathered = wait(f)  # [p, 4 * tensors + bits]
             head = 4 * len(sizes)
             raw = gathered[:, :head].reshape(-1).clone()  # a fresh, aligned copy to reinterpret
             all_scales = raw.view(torch.float32).view(p, len(sizes)) / p  # [p, tensors]

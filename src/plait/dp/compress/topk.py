@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_gather, world_size
+from plait.comm import all_gather, wait, world_size
 from plait.dp.compress.base import check_positive
 from plait.dp.compress.feedback import ErrorFeedbackCompressor
 from plait.trace import COMPRESS, span, tracer
@@ -56,7 +56,7 @@ class TopK(ErrorFeedbackCompressor):
 
         def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             start = tracer.now_us()
-            gathered = f.value()  # [p, 2k]: values (as int32 bits) then indices
+            gathered = wait(f)  # [p, 2k]: values (as int32 bits) then indices
             vals = gathered[:, :k].reshape(-1).clone().view(torch.float32).div_(p)
             buf.zero_()
             buf.index_add_(0, gathered[:, k:].reshape(-1).long(), vals.to(buf.dtype))

@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from plait.comm import Collective, world_size
 from plait.comm import stats as comm_stats
+from plait.comm.ops import collective_error
 from plait.dp.compress.base import Compressor, check_positive
 from plait.dp.compress.lowrank import matrix_shape
 from plait.dp.compress.powersgd import duplicate_group
@@ -112,7 +113,12 @@ class TorchPowerSGD(Compressor):
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             tracer.add("torch powerSGD_hook", COMM, start, tracer.now_us())
-            return f.value()
+            try:
+                return f.value()
+            except Exception as exc:  # PyTorch's hook bypasses plait.comm: describe it here
+                raise collective_error(
+                    Collective.ALL_REDUCE, "torch powerSGD_hook", state.process_group, exc
+                ) from exc
 
         return fut.then(done)
 
