@@ -247,6 +247,7 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         ("plan:dp=2,tpp=2", ["'tpp'", "accepted:"]),
         ("plan:tp=true", ["tp", "integer"]),
         ("plan:auto=true,memory=2G", ["'2G'", "ambiguous"]),
+        ("plan:auto=abc", ["auto", "'abc'"]),
     ],
 )
 def test_validate_spec_is_strict(spec: str, needles: list[str]) -> None:

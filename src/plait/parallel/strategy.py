@@ -37,6 +37,8 @@ class PlanStrategy(Strategy):
     collective_forward = True
 
     def __init__(self, *, auto: bool = False, memory: str | None = None, **options: Any) -> None:
+        if not isinstance(auto, bool):
+            raise ValueError(f"plan: auto takes true or false, got {auto!r}")
         from plait.parallel.memory import parse_bytes
 
         if auto and options:
