@@ -7,6 +7,10 @@ does not give on its own:
   parent-death signal (SIGKILL), so a ``kill -9`` of ``plait run`` leaves nothing running.
   torchrun starts each worker in a session of its own, out of reach of a process-group
   kill, which is why the workers need it too;
+- every rendezvous round (a restart after a failed worker) gives the workers a fresh
+  store: torchrun keeps one store for the workers across rounds, so restarted workers
+  read the dead ones' gloo addresses left in it and the group never connects again (at
+  2 nodes the race is usually won, at 4 it is lost);
 - in the loopback fallback (``PLAIT_LOOPBACK=1``) every TCPStore server the agent creates
   listens on 127.0.0.1 only: torch binds its stores to all interfaces whatever host it is
   given, which on a machine without namespaces opens the job's rendezvous to the network.
@@ -51,6 +55,27 @@ def _tie_workers_to_agent() -> bool:
     if not hasattr(handler, "Popen"):
         return False
     handler.Popen = _WorkerPopen
+    return True
+
+
+def _fresh_worker_store_each_round() -> bool:
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:
+        return False
+    handler: Any = getattr(dynamic_rendezvous, "DynamicRendezvousHandler", None)
+    if handler is None or not hasattr(handler, "next_rendezvous"):
+        return False
+    original = handler.next_rendezvous
+
+    def next_rendezvous(self: Any) -> Any:
+        # forget the previous round's store: rank 0 hosts a new one, the others read its
+        # address from this round's keys
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
+        return original(self)
+
+    handler.next_rendezvous = next_rendezvous
     return True
 
 
@@ -107,7 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(int(parent) if parent and parent.isdigit() else None)
     if not _tie_workers_to_agent():
         logger.warning("plait: torchrun's worker launcher changed; workers may outlive it")
-    if os.environ.get(LOOPBACK_ENV) == "1":
+    loopback = os.environ.get(LOOPBACK_ENV) == "1"
+    if not _fresh_worker_store_each_round():
+        # without the hook, workers host a fresh store per round themselves (on every
+        # interface: acceptable inside a namespace, not on the loopback fallback)
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        logger.warning("plait: torchrun's rendezvous changed; workers host their own store")
+    if loopback:
         _bind_stores_to_loopback()
     from torch.distributed.run import main as torchrun_main
 
