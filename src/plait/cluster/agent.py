@@ -82,12 +82,12 @@ def _fresh_worker_store_each_round() -> bool:
 def _loopback_store_class() -> type:
     import torch.distributed as dist
 
-    base: Any = dist.TCPStore
+    base: Any = getattr(dist, "TCPStore")  # noqa: B009  # not re-exported in torch's stubs
 
-    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
+    class LoopbackTCPStore(base):  # type: ignore[misc]
         """A TCPStore whose server socket is bound to 127.0.0.1, not to every interface."""
 
-        def __init__(
+        def __init__(  # noqa: PLR0917  # TCPStore's own positional signature
             self,
             host_name: str,
             port: int,
@@ -120,7 +120,7 @@ def _bind_stores_to_loopback() -> None:
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
     store = _loopback_store_class()
-    dist.TCPStore = store  # type: ignore[misc]  # dynamic_rendezvous and elastic.utils
+    setattr(dist, "TCPStore", store)  # noqa: B010  # read by dynamic_rendezvous, elastic.utils
     for mod in (c10d_rendezvous_backend, static_tcp_rendezvous):
         if hasattr(mod, "TCPStore"):
             mod.TCPStore = store  # type: ignore[attr-defined]

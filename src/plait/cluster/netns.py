@@ -22,8 +22,8 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -402,7 +402,7 @@ def reap_dead() -> list[str]:
     state names an owner that is gone is certainly abandoned. Every command that builds a
     cluster calls this first.
     """
-    removed = []
+    removed: list[str] = []
     if not STATE_DIR.is_dir():
         return removed
     for path in STATE_DIR.glob("*.json"):
