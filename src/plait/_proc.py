@@ -26,6 +26,8 @@ from types import FrameType
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+#: The pid of the plait process that launched a node's agent (checked against its parent).
+PARENT_ENV = "PLAIT_PARENT_PID"
 #: Signals that end a command: Ctrl-C, `kill`, and the terminal closing.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

@@ -26,14 +26,10 @@ import subprocess
 import sys
 from typing import Any
 
-from plait._proc import die_with_parent, die_with_parent_preexec
+from plait._proc import PARENT_ENV, die_with_parent, die_with_parent_preexec
+from plait.cluster.netns import LOOPBACK_ENV
 
 logger = logging.getLogger(__name__)
-
-#: The pid of the plait process that launched this agent (checked against the parent).
-PARENT_ENV = "PLAIT_PARENT_PID"
-#: Set to 1 in the loopback fallback: bind stores to 127.0.0.1.
-LOOPBACK_ENV = "PLAIT_LOOPBACK"
 
 
 class _WorkerPopen(subprocess.Popen):  # type: ignore[type-arg]

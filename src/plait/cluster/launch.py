@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait._proc import (
+    PARENT_ENV,
     deferred_signals,
     descendants,
     kill_quietly,
     stop_signals_interrupt,
 )
-from plait.cluster.agent import LOOPBACK_ENV, PARENT_ENV
-from plait.cluster.netns import Cluster
+from plait.cluster.netns import LOOPBACK_ENV, Cluster
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,8 @@ STATE_DIR = Path(os.environ.get("PLAIT_STATE_DIR", "/run/plait/clusters"))
 _PREFIX = "plait-"
 _TBF_BURST_MIN = 256 * 1024
 _CAP_NET_ADMIN = 12
+#: Set to 1 for a node's agent in the loopback fallback: its stores bind 127.0.0.1 only.
+LOOPBACK_ENV = "PLAIT_LOOPBACK"
 #: How long `teardown` waits for the killed processes of a namespace to be gone.
 _KILL_WAIT_S = 5.0
 
