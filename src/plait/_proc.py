@@ -10,6 +10,7 @@ parent, `descendants` finds the processes a process group kill misses, and `temp
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
@@ -227,3 +228,31 @@ def temp_dir(prefix: str, *, keep_on_error: bool = False) -> Iterator[Path]:
             shutil.rmtree(path, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+_SCRATCH: dict[Path, Callable[[], None]] = {}
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary directory removed when this process exits (normally, by an exception,
+    Ctrl-C, or SIGTERM/SIGHUP while a cluster is up), unless `keep_scratch` keeps it.
+
+    For folders that outlive the function creating them: a job's config handed to
+    torchrun, a probe's output read after the cluster is down.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+
+    def remove() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    _SCRATCH[path] = remove
+    atexit.register(remove)
+    return path
+
+
+def keep_scratch(path: Path, why: str = "for the failure report") -> None:
+    """Keep a `scratch_dir` at exit (it holds what a failure report points to); logged."""
+    remove = _SCRATCH.pop(path, None)
+    if remove is not None:
+        atexit.unregister(remove)
+        logger.warning("kept %s %s", path, why)

@@ -174,3 +174,39 @@ def test_worker_dies_with_its_agent(tmp_path: Path) -> None:
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=30)
         _kill_everything(workers)
+
+
+def test_ctrl_c_of_co_located_jobs_stops_them_within_seconds(tmp_path: Path) -> None:
+    import _thread
+    import threading
+
+    from plait.crossover.colocate import Mode, run_colocated
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    ready = [d / "ready.0" for d in dirs]
+    interrupted: list[float] = []
+
+    def interrupt_when_running() -> None:
+        end = time.monotonic() + 90
+        while not all(p.exists() for p in ready) and time.monotonic() < end:
+            time.sleep(0.1)
+        interrupted.append(time.monotonic())
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with Cluster(nodes=1) as c:
+        with pytest.raises(KeyboardInterrupt):
+            run_colocated(
+                c, [f"{script} {d}" for d in dirs], mode=Mode.UNCOORDINATED, timeout_s=300
+            )
+        workers = [json.loads(p.read_text()) for p in ready]
+        try:
+            assert _gone([w["pid"] for w in workers] + [w["agent"] for w in workers])
+            assert not any(t.name.startswith("launch-") for t in threading.enumerate())
+            assert time.monotonic() - interrupted[0] < 15
+        finally:
+            _kill_everything(workers)
