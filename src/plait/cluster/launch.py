@@ -23,12 +23,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +37,9 @@ from plait._proc import (
     PARENT_ENV,
     deferred_signals,
     descendants,
+    keep_scratch,
     kill_quietly,
+    scratch_dir,
     stop_signals_interrupt,
 )
 from plait.cluster.netns import LOOPBACK_ENV, Cluster
@@ -182,8 +182,9 @@ def launch(
         timeout_s: wall-clock limit of the whole job; None for no limit.
         module: run `argv[0]` as a module (``python -m``).
         env: extra environment for the workers.
-        log_dir: where node logs go. By default a temporary directory, removed when the job
-            succeeds and kept (its path is in `LaunchResult.tail`) when it fails.
+        log_dir: where node logs go. By default a temporary directory, removed when this
+            process exits if the job succeeded and kept (its path is in
+            `LaunchResult.tail`) if it failed.
         quiet: send node 0's output to its log file too.
         stop: when set (from another thread), the job is stopped and torn down; a launch
             outside the main thread cannot see Ctrl-C, so its caller relays it here.
@@ -195,14 +196,13 @@ def launch(
     if not argv:
         raise ValueError("nothing to run: give a script (and its arguments)")
     own_logs = log_dir is None
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"plait-{cluster.cid}-"))
+    log_dir = Path(log_dir) if log_dir is not None else scratch_dir(f"plait-{cluster.cid}-")
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs: dict[int, Path] = {}
     start = time.monotonic()
     timed_out = False
-    finished = False
     with stop_signals_interrupt():
         try:
             for node in range(cluster.nodes):
@@ -231,13 +231,10 @@ def launch(
                     out.close()
             deadline = None if timeout_s is None else start + timeout_s
             timed_out = _wait_all(procs, deadline, stop)
-            finished = True
         finally:
             hurry = threading.Event()
             with deferred_signals(lambda _sig: hurry.set()):
                 _kill_all(procs, hurry)
-                if own_logs and not finished:
-                    shutil.rmtree(log_dir, ignore_errors=True)
     result = LaunchResult(
         returncodes=[p.returncode if p.returncode is not None else -9 for p in procs],
         log_dir=log_dir,
@@ -245,10 +242,8 @@ def launch(
         timed_out=timed_out,
         logs=logs,
     )
-    if own_logs and result.ok:
-        shutil.rmtree(log_dir, ignore_errors=True)
-    elif own_logs and logs:
-        logger.info("node logs of the failed job kept in %s", log_dir)
+    if own_logs and not result.ok and logs:
+        keep_scratch(log_dir, "(node logs of the failed job)")
     return result
 
 
