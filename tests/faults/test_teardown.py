@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ def _plait(*args: str) -> list[str]:
     return [sys.executable, "-m", "plait.cli", *args]
 
 
-def _start_job(tmp: Path, nodes: int = 2) -> tuple[subprocess.Popen[bytes], list[dict[str, int]]]:
+def _start_job(tmp: Path, nodes: int = 2) -> tuple[subprocess.Popen[bytes], list[dict[str, Any]]]:
     """`plait run --nodes N -- sleeper`, once every worker runs: (the parent, its workers)."""
     script = tmp / "sleeper.py"
     script.write_text(SLEEPER)
@@ -75,7 +76,7 @@ def _cluster_left(cid: str) -> list[str]:
     return names + [n for n in _links() if n.startswith((f"plb{cid}", f"plp{cid}"))]
 
 
-def _kill_everything(workers: list[dict[str, int]]) -> None:
+def _kill_everything(workers: list[dict[str, Any]]) -> None:
     for w in workers:
         for pid in (w["pid"], w["agent"]):
             if pid_alive(pid):
