@@ -52,8 +52,9 @@ def test_launch_runs_every_rank(tmp_path: Path) -> None:
 def test_launch_reports_failure(tmp_path: Path) -> None:
     with Cluster.create(nodes=2, quiet=True) as c:
         res = launch(
-            c, [str(_script(tmp_path)), str(tmp_path / "out"), "1"], timeout_s=120, quiet=True
-        )
+            c, [str(_script(tmp_path)), str(tmp_path / "out"), "1"], timeout_s=120, quiet=True,
+            log_dir=tmp_path / "logs",
+        )  # fmt: skip
     assert not res.ok
     assert res.returncodes[1] != 0
 
@@ -62,7 +63,7 @@ def test_launch_timeout_kills_job(tmp_path: Path) -> None:
     hang = tmp_path / "hang.py"
     hang.write_text("import time\ntime.sleep(600)\n")
     with Cluster.create(nodes=2, quiet=True) as c:
-        res = launch(c, [str(hang)], timeout_s=3, quiet=True)
+        res = launch(c, [str(hang)], timeout_s=3, quiet=True, log_dir=tmp_path / "logs")
     assert res.timed_out and not res.ok
     assert res.elapsed_s < 60
 

@@ -79,13 +79,13 @@ os.kill(os.getpid(), 9)  # a crash: no teardown runs
 
 
 def test_down_removes_leftovers_of_a_crash_only() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", CRASH], capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == -9
-    dead = proc.stdout.strip()
-    assert f"plait-{dead}-1" in _namespaces()
     with Cluster(nodes=1) as alive:  # owned by this live process: must survive
+        proc = subprocess.run(
+            [sys.executable, "-c", CRASH], capture_output=True, text=True, check=False
+        )
+        assert proc.returncode == -9
+        dead = proc.stdout.strip()
+        assert f"plait-{dead}-1" in _namespaces()
         removed = teardown_all()
         assert dead in removed and alive.cid not in removed
         assert f"plait-{dead}-1" not in _namespaces()

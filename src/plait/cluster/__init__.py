@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from plait.cluster.launch import LaunchResult, free_port, launch
-from plait.cluster.netns import Cluster, ClusterError, has_net_admin, list_clusters, teardown_all
+from plait.cluster.netns import (
+    Cluster,
+    ClusterError,
+    has_net_admin,
+    list_clusters,
+    reap_dead,
+    teardown_all,
+)
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_rate, resolve_bandwidth
 
 __all__ = [
@@ -17,6 +24,7 @@ __all__ = [
     "launch",
     "list_clusters",
     "parse_rate",
+    "reap_dead",
     "resolve_bandwidth",
     "teardown_all",
 ]

@@ -1,35 +1,57 @@
 """Launch a distributed job on an emulated cluster: one ``torchrun`` per node.
 
-Each node's torchrun runs inside the node's namespace with ``GLOO_SOCKET_IFNAME`` set to
-the node's link (without it gloo binds 127.0.0.1 and the peers cannot connect) and the
-static rendezvous at node 0's address, so global rank 0 lives on node 0. Node 0's output
-goes to the terminal (rank 0 draws progress bars); the other nodes write log files whose
-tails are shown when the job fails. The whole job has a wall-clock limit and every process
-tree is killed on exit, Ctrl-C or failure, so nothing is left running.
+Each node's torchrun runs inside the node's namespace with ``GLOO_SOCKET_IFNAME`` and
+``NCCL_SOCKET_IFNAME`` set to the node's link (without them gloo binds 127.0.0.1 and the
+peers cannot connect, and NCCL would take shared-memory and P2P paths between the nodes,
+which share one host, around the shaped link). The nodes meet in torchrun's c10d
+rendezvous hosted by node 0's agent: when a worker fails, every node's agent stops its
+workers and the whole group re-forms for the restart (independent static rendezvous per
+node cannot: the nodes' restarts drift apart and gloo's mesh never connects). Node
+addresses sort in node order, so global rank 0 lives on node 0. Node 0's output goes to
+the terminal (rank 0 draws progress bars); the other nodes write log files whose tails are
+shown when the job fails. The whole job has a wall-clock limit and every process tree is
+killed on exit, Ctrl-C, SIGTERM, SIGHUP or failure, so nothing is left running; each agent
+runs under `plait.cluster.agent`, which ties it to plait and its workers to it, so even a
+``kill -9`` of plait leaves nothing behind.
 
-In the loopback fallback the nodes are N torchruns on 127.0.0.1.
+In the loopback fallback the nodes are N torchruns on 127.0.0.x whose stores listen on
+loopback only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.cluster.netns import Cluster
+from plait._proc import (
+    PARENT_ENV,
+    deferred_signals,
+    descendants,
+    keep_scratch,
+    kill_quietly,
+    scratch_dir,
+    stop_signals_interrupt,
+)
+from plait.cluster.netns import LOOPBACK_ENV, Cluster
+
+logger = logging.getLogger(__name__)
 
 _TERM_GRACE_S = 5.0
 #: After one node fails, how long the others get to notice and exit on their own (a
 #: torchrun whose workers succeeded otherwise waits at its exit barrier for the dead one).
 _FAIL_GRACE_S = 10.0
+#: Longest the nodes wait for each other in a rendezvous round (first start or restart).
+_JOIN_TIMEOUT_S = 300
 
 
 def free_port() -> int:
@@ -65,11 +87,21 @@ class LaunchResult:
 def worker_env(
     cluster: Cluster, node: int, *, threads: int, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Environment of the node's torchrun: socket interface, thread count, cluster facts."""
+    """Environment of the node's torchrun: socket interfaces, thread count, cluster facts.
+
+    NCCL is pinned to the node's link like gloo: sockets on the node's interface, and its
+    shared-memory, peer-to-peer (NVLink/PCIe) and InfiniBand transports off, since the
+    emulated nodes share one host and those paths would bypass the shaped link.
+    """
     env = dict(os.environ)
+    ifname = cluster.ifname(node)
     env.update(
         {
-            "GLOO_SOCKET_IFNAME": cluster.ifname(node),
+            "GLOO_SOCKET_IFNAME": ifname,
+            "NCCL_SOCKET_IFNAME": ifname,
+            "NCCL_SHM_DISABLE": "1",
+            "NCCL_P2P_DISABLE": "1",
+            "NCCL_IB_DISABLE": "1",
             "OMP_NUM_THREADS": str(threads),
             "PLAIT_NODES": str(cluster.nodes),
             "PLAIT_NODE": str(node),
@@ -77,6 +109,8 @@ def worker_env(
             "PLAIT_RATE": cluster.network.rate or "",
             "PLAIT_BANDWIDTH": cluster.network.bandwidth or "",
             "PLAIT_EMULATED": "1" if cluster.emulated else "0",
+            PARENT_ENV: str(os.getpid()),
+            LOOPBACK_ENV: "0" if cluster.emulated else "1",
             "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
             "PYTHONUNBUFFERED": "1",
         }
@@ -95,17 +129,26 @@ def torchrun_argv(
     port: int,
     max_restarts: int,
     module: bool,
+    run_id: str | None = None,
 ) -> list[str]:
+    """The node's torchrun command line (through `plait.cluster.agent`).
+
+    All nodes join one c10d rendezvous hosted by node 0's agent at `port`; `run_id` names
+    the job (two jobs on one cluster need different ones).
+    """
+    host = "1" if node == 0 else "0"
     cmd = [
         *cluster.exec_prefix(node),
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "plait.cluster.agent",
         f"--nnodes={cluster.nodes}",
         f"--nproc-per-node={nproc_per_node}",
-        f"--node-rank={node}",
-        f"--master-addr={cluster.address(0)}",
-        f"--master-port={port}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={cluster.address(0)}:{port}",
+        f"--rdzv-id={run_id or f'{cluster.cid}-{port}'}",
+        f"--rdzv-conf=is_host={host},join_timeout={_JOIN_TIMEOUT_S}",
+        f"--local-addr={cluster.address(node)}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
     ]
@@ -126,6 +169,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     log_dir: Path | None = None,
     quiet: bool = False,
+    stop: threading.Event | None = None,
 ) -> LaunchResult:
     """Run `argv` (a script and its arguments, or a module with ``module=True``) on every node.
 
@@ -138,8 +182,12 @@ def launch(
         timeout_s: wall-clock limit of the whole job; None for no limit.
         module: run `argv[0]` as a module (``python -m``).
         env: extra environment for the workers.
-        log_dir: where node logs go (a temporary directory by default).
+        log_dir: where node logs go. By default a temporary directory, removed when this
+            process exits if the job succeeded and kept (its path is in
+            `LaunchResult.tail`) if it failed.
         quiet: send node 0's output to its log file too.
+        stop: when set (from another thread), the job is stopped and torn down; a launch
+            outside the main thread cannot see Ctrl-C, so its caller relays it here.
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
@@ -147,14 +195,15 @@ def launch(
         raise ValueError(f"threads must be >= 1, got {threads}")
     if not argv:
         raise ValueError("nothing to run: give a script (and its arguments)")
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"plait-{cluster.cid}-"))
+    own_logs = log_dir is None
+    log_dir = Path(log_dir) if log_dir is not None else scratch_dir(f"plait-{cluster.cid}-")
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs: dict[int, Path] = {}
     start = time.monotonic()
     timed_out = False
-    with _terminate_on_signal(procs):
+    with stop_signals_interrupt():
         try:
             for node in range(cluster.nodes):
                 cmd = torchrun_argv(
@@ -181,19 +230,26 @@ def launch(
                 if out is not None:
                     out.close()
             deadline = None if timeout_s is None else start + timeout_s
-            timed_out = _wait_all(procs, deadline)
+            timed_out = _wait_all(procs, deadline, stop)
         finally:
-            _kill_all(procs)
-    return LaunchResult(
+            hurry = threading.Event()
+            with deferred_signals(lambda _sig: hurry.set()):
+                _kill_all(procs, hurry)
+    result = LaunchResult(
         returncodes=[p.returncode if p.returncode is not None else -9 for p in procs],
         log_dir=log_dir,
         elapsed_s=time.monotonic() - start,
         timed_out=timed_out,
         logs=logs,
     )
+    if own_logs and not result.ok and logs:
+        keep_scratch(log_dir, "(node logs of the failed job)")
+    return result
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float | None) -> bool:
+def _wait_all(
+    procs: list[subprocess.Popen[bytes]], deadline: float | None, stop: threading.Event | None
+) -> bool:
     """Wait for every node; when one fails, give the others a grace period, then stop.
 
     Returns True when the deadline passed.
@@ -202,6 +258,8 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float | None) -> b
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
+            return False
+        if stop is not None and stop.is_set():
             return False
         now = time.monotonic()
         if any(c not in (None, 0) for c in codes) and failed_at is None:
@@ -213,35 +271,29 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], deadline: float | None) -> b
         time.sleep(0.1)
 
 
-def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+def _kill_all(procs: list[subprocess.Popen[bytes]], hurry: threading.Event | None = None) -> None:
+    """Stop every node's process tree: SIGTERM, a grace period, then SIGKILL.
+
+    torchrun forwards SIGTERM to its workers, but its workers live in sessions of their
+    own, so the SIGKILL goes to every descendant found under each agent as well as to the
+    agent's process group. `hurry` (a second Ctrl-C) cuts the grace period short.
+    """
     live = [p for p in procs if p.poll() is None]
+    tree = {p.pid: descendants(p.pid) for p in live}
     for p in live:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGTERM)
     end = time.monotonic() + _TERM_GRACE_S
     for p in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.0, end - time.monotonic()))
+        while p.poll() is None and time.monotonic() < end:
+            if hurry is not None and hurry.is_set():
+                break
+            time.sleep(0.05)
     for p in procs:
+        victims = set(tree.get(p.pid, [])) | set(descendants(p.pid))
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
+        for pid in victims:
+            kill_quietly(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
-
-
-@contextlib.contextmanager
-def _terminate_on_signal(procs: list[subprocess.Popen[bytes]]) -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so `finally` blocks (teardown) run."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)

@@ -16,23 +16,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from plait._proc import pid_alive
+from plait._proc import (
+    deferred_signals,
+    kill_quietly,
+    pid_start_time,
+    process_alive,
+    stop_signals_interrupt,
+)
 from plait.cluster.network import NetworkSpec, parse_rate
 
 STATE_DIR = Path(os.environ.get("PLAIT_STATE_DIR", "/run/plait/clusters"))
 _PREFIX = "plait-"
 _TBF_BURST_MIN = 256 * 1024
 _CAP_NET_ADMIN = 12
+#: Set to 1 for a node's agent in the loopback fallback: its stores bind 127.0.0.1 only.
+LOOPBACK_ENV = "PLAIT_LOOPBACK"
+#: How long `teardown` waits for the killed processes of a namespace to be gone.
+_KILL_WAIT_S = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -80,6 +94,7 @@ class Cluster:
     cid: str = field(default_factory=lambda: secrets.token_hex(3))
     persistent: bool = False
     _up: bool = field(default=False, repr=False)
+    _signals: contextlib.ExitStack | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -108,7 +123,13 @@ class Cluster:
         return f"10.{200 + (b >> 16) % 50}.{(b >> 8) & 0xFF}"
 
     def address(self, node: int) -> str:
-        return f"{self.subnet}.{node + 1}" if self.emulated else "127.0.0.1"
+        """The node's IPv4 address: in its subnet, or on loopback (127.0.0.x) in the fallback.
+
+        Addresses sort as strings in node order: torchrun's rendezvous ranks the nodes by
+        their address string, and global rank 0 belongs on node 0.
+        """
+        octet = node_octet(node, self.nodes)
+        return f"{self.subnet}.{octet}" if self.emulated else f"127.0.0.{octet}"
 
     def exec_prefix(self, node: int) -> list[str]:
         """Argv prefix that runs a command inside the node's namespace."""
@@ -136,12 +157,21 @@ class Cluster:
         return cls(nodes=nodes, network=network, emulated=emulated, persistent=persistent)
 
     def up(self) -> Cluster:
+        """Build the namespaces and links (after removing clusters whose owner died).
+
+        While the cluster is up, SIGTERM and SIGHUP stop the owning command as Ctrl-C does
+        (in the main thread), so `down` runs however the command is told to stop.
+        """
         if self._up:
             return self
         self._up = True  # from here on, down() must run even if setup fails half-way
+        if threading.current_thread() is threading.main_thread() and not self.persistent:
+            self._signals = contextlib.ExitStack()
+            self._signals.enter_context(stop_signals_interrupt())
         if not self.emulated:
             return self
         try:
+            reap_dead()
             self._build()
         except BaseException:
             self.down()
@@ -199,11 +229,18 @@ class Cluster:
         self._save_state()
 
     def down(self) -> None:
+        """Kill what runs in the namespaces and remove them; a second Ctrl-C waits for it."""
         if not self._up:
             return
         self._up = False
-        if self.emulated:
-            teardown(self.cid)
+        try:
+            if self.emulated:
+                with deferred_signals():
+                    teardown(self.cid)
+        finally:
+            if self._signals is not None:
+                self._signals.close()
+                self._signals = None
 
     def __enter__(self) -> Cluster:
         return self.up()
@@ -224,6 +261,7 @@ class Cluster:
                 "nodes": self.nodes,
                 "network": asdict(self.network),
                 "pid": None if self.persistent else os.getpid(),
+                "pid_start": None if self.persistent else pid_start_time(os.getpid()),
                 "created": time.time(),
                 "addresses": [self.address(i) for i in range(self.nodes)],
             }
@@ -247,10 +285,52 @@ def netem_available() -> bool:
         _run(["ip", "netns", "del", ns], check=False)
 
 
+def node_octet(node: int, nodes: int) -> int:
+    """The last octet of `node`'s address in a cluster of `nodes` nodes.
+
+    Chosen so that the addresses' strings sort in node order: 1..9 for small clusters,
+    100..254 (all three digits) up to 155 nodes, else the octets in string order.
+    """
+    if nodes <= 9:
+        return node + 1
+    if nodes <= 155:
+        return 100 + node
+    return sorted(range(1, 255), key=str)[node]
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Processes whose network namespace is `ns` (`ip netns pids`)."""
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def kill_namespace(ns: str) -> list[int]:
+    """SIGKILL every process in namespace `ns` and wait (briefly) until none is left.
+
+    A namespace deleted with processes inside lives on, unnamed, with them: agents and
+    workers of a crashed job would run on invisibly.
+    """
+    killed: list[int] = []
+    end = time.monotonic() + _KILL_WAIT_S
+    while True:
+        pids = [p for p in namespace_pids(ns) if p != os.getpid()]
+        if not pids:
+            return killed
+        if time.monotonic() > end:
+            logger.warning("processes %s in %s survived SIGKILL", pids, ns)
+            return killed
+        for pid in pids:
+            kill_quietly(pid)
+        killed += [p for p in pids if p not in killed]
+        time.sleep(0.05)
+
+
 def teardown(cid: str) -> None:
-    """Remove every namespace, link and state file of cluster `cid` (idempotent)."""
+    """Kill the processes of cluster `cid` and remove its namespaces, links and state file
+    (idempotent)."""
     for ns in _namespaces():
         if ns.startswith(f"{_PREFIX}{cid}-"):
+            kill_namespace(ns)
             _run(["ip", "netns", "del", ns], check=False)
     _run(["ip", "link", "del", f"plb{cid}"], check=False)
     for link in _links():
@@ -292,8 +372,10 @@ def list_clusters() -> list[dict[str, object]]:
             if link.startswith("plb") and len(link) == 9:
                 found.setdefault(link[3:], {"cid": link[3:], "leftover": True})
     for state in found.values():
-        pid = state.get("pid")
-        state["alive"] = isinstance(pid, int) and pid_alive(pid)
+        pid, start = state.get("pid"), state.get("pid_start")
+        state["alive"] = isinstance(pid, int) and process_alive(
+            pid, start if isinstance(start, int) else None
+        )
         ns_count = sum(1 for ns in _namespaces() if ns.startswith(f"{_PREFIX}{state['cid']}-"))
         state["namespaces"] = ns_count
     return list(found.values())
@@ -311,4 +393,32 @@ def teardown_all(*, only_dead: bool = True) -> list[str]:
             continue
         teardown(str(state["cid"]))
         removed.append(str(state["cid"]))
+    return removed
+
+
+def reap_dead() -> list[str]:
+    """Remove the clusters whose owning process died (a ``kill -9`` of a job), nothing else.
+
+    Unlike `teardown_all`, persistent clusters (`plait cluster up`) and namespaces without a
+    state file (perhaps another state directory's) are left alone: only a cluster whose
+    state names an owner that is gone is certainly abandoned. Every command that builds a
+    cluster calls this first.
+    """
+    removed: list[str] = []
+    if not STATE_DIR.is_dir():
+        return removed
+    for path in STATE_DIR.glob("*.json"):
+        try:
+            state = json.loads(path.read_text())
+            cid, pid = str(state["cid"]), state.get("pid")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(pid, int):
+            continue
+        start = state.get("pid_start")
+        if process_alive(pid, start if isinstance(start, int) else None):
+            continue
+        logger.warning("removing cluster %s: its owner (pid %d) is gone", cid, pid)
+        teardown(cid)
+        removed.append(cid)
     return removed

@@ -18,12 +18,16 @@ slowdown versus alone shows fairness: no job may starve.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import shlex
+import shutil
 import statistics
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -34,6 +38,35 @@ from plait.bench.workloads import get_workload
 from plait.cluster import Cluster, LaunchResult, launch
 from plait.crossover.report import plot_interleaving
 from plait.train.strategy import make_strategy
+
+logger = logging.getLogger(__name__)
+
+
+#: How long an interrupted co-located run waits for its launches to tear down.
+_STOP_WAIT_S = 15.0
+
+
+@contextlib.contextmanager
+def _work_dir(*, keep_on_failure: bool = False) -> Iterator[tuple[Path, threading.Event]]:
+    """The runs' scratch folder and a flag to set when a run failed.
+
+    Removed on exit, and on Ctrl-C; kept, and named in the log, when the block raises or
+    the flag is set (it holds the failed run's node logs).
+    """
+    path = Path(tempfile.mkdtemp(prefix="plait-crossover-"))
+    failed = threading.Event()
+    try:
+        yield path, failed
+    except KeyboardInterrupt:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    except BaseException:
+        logger.warning("co-located runs' logs kept in %s", path)
+        raise
+    if failed.is_set() and keep_on_failure:
+        logger.warning("co-located runs' logs kept in %s", path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Mode(StrEnum):
@@ -144,6 +177,8 @@ def _run_jobs(
     traces = [work / f"trace-{mode}-{i}.json" for i in range(len(jobs))] if trace else None
     per_job = [steps] * len(jobs) if isinstance(steps, int) else steps
 
+    stop = threading.Event()
+
     def go(i: int, job: Job) -> None:
         argv, module = job.argv(
             steps=per_job[i], out=outs[i], group=gate, tmp=work, trace=traces[i] if traces else None
@@ -152,13 +187,30 @@ def _run_jobs(
         results[i] = launch(
             cluster, argv, module=module, nproc_per_node=nproc_per_node, threads=threads,
             timeout_s=timeout_s, env=env, quiet=True, log_dir=work / f"logs-{mode}-{i}",
+            stop=stop,
         )  # fmt: skip
 
-    threads_ = [threading.Thread(target=go, args=(i, j)) for i, j in enumerate(jobs)]
-    for t in threads_:
-        t.start()
-    for t in threads_:
-        t.join()
+    # daemon threads: a launch that does not stop in time never keeps the process alive
+    threads_ = [
+        threading.Thread(target=go, args=(i, j), daemon=True, name=f"launch-{j.name}")
+        for i, j in enumerate(jobs)
+    ]
+    try:
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            while t.is_alive():
+                t.join(timeout=0.2)  # short joins: Ctrl-C reaches the main thread
+    except BaseException:
+        # Ctrl-C (or SIGTERM/SIGHUP): the launches' threads cannot see it; tell them,
+        # and give them the time their teardown takes
+        stop.set()
+        for t in threads_:
+            t.join(timeout=_STOP_WAIT_S)
+        raise
+    missing = [jobs[i].name for i in range(len(jobs)) if i not in results]
+    if missing:
+        raise RuntimeError(f"launch of {', '.join(missing)} failed before it ran")
     for i, job in enumerate(jobs):
         res = results[i]
         run = JobRun(job=job.name, mode=mode, ok=res.ok, elapsed_s=res.elapsed_s)
@@ -293,6 +345,36 @@ def compare(
     times, interleaved, and each figure is the median over the repeats, so a slow drift of
     a shared machine hits every mode alike.
     """
+    with _work_dir() as (work, _):
+        return _compare(
+            cluster, specs, work=work, steps=steps, warmup=warmup, repeats=repeats, group=group,
+            nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s, modes=modes,
+            trace=trace, progress=progress,
+        )  # fmt: skip
+
+
+def _compare(
+    cluster: Cluster,
+    specs: list[str],
+    *,
+    work: Path,
+    steps: int = 20,
+    warmup: int = 3,
+    repeats: int = 1,
+    group: str | None = None,
+    nproc_per_node: int = 1,
+    threads: int = 1,
+    timeout_s: float = 3600.0,
+    modes: tuple[Mode, ...] = (Mode.UNCOORDINATED, Mode.CROSSOVER),
+    trace: Path | None = None,
+    progress: bool = True,
+) -> Comparison:
+    """Measure each job alone (gated, to time its compute), then co-located in each mode.
+
+    With `repeats` > 1 the whole sequence (every job alone, then every mode) runs that many
+    times, interleaved, and each figure is the median over the repeats, so a slow drift of
+    a shared machine hits every mode alike.
+    """
     jobs = [Job.parse(s, i) for i, s in enumerate(specs)]
     if len(jobs) < 2:
         raise ValueError("co-location needs at least two jobs")
@@ -301,7 +383,6 @@ def compare(
     if repeats < 1 or steps <= warmup + 1:
         raise ValueError(f"need repeats >= 1 and steps > warmup + 1, got {repeats}, {steps}")
     group = group or f"xo-{cluster.cid}"
-    work = Path(tempfile.mkdtemp(prefix="plait-crossover-"))
 
     def run(
         batch: list[Job], mode: Mode, n: int | list[int], gate: str, tr: Path | None = None
@@ -411,7 +492,10 @@ def run_colocated(
 ) -> list[JobRun]:
     """Launch the jobs together on `cluster` and return each job's run."""
     jobs = [Job.parse(s, i) for i, s in enumerate(specs)]
-    work = Path(tempfile.mkdtemp(prefix="plait-crossover-"))
-    return _run_jobs(cluster, jobs, mode=mode, steps=steps, group=group or f"xo-{cluster.cid}",
-                     nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s,
-                     work=work, trace=trace)  # fmt: skip
+    with _work_dir(keep_on_failure=True) as (work, failed):
+        runs = _run_jobs(cluster, jobs, mode=mode, steps=steps, group=group or f"xo-{cluster.cid}",
+                         nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s,
+                         work=work, trace=trace)  # fmt: skip
+        if not all(r.ok for r in runs):
+            failed.set()
+    return runs
