@@ -8,13 +8,13 @@ import math
 import os
 import re
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from plait._proc import scratch_dir
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
 from plait.units import parse_size
 
@@ -359,7 +359,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from plait.cluster import Cluster, launch
 
-    cfg_path = Path(tempfile.mkdtemp(prefix="plait-train-")) / "config.json"
+    cfg_path = scratch_dir("plait-train-") / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
     with Cluster.create(nodes=args.nodes, network=_network(args)) as cluster:
         print(f"plait train: {cfg.workload} / {cfg.strategy_spec()} on {args.nodes} node(s) x "
@@ -426,7 +426,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         return 0
     # probe
     nodes = max(2, args.nodes)
-    out = Path(tempfile.mkdtemp(prefix="plait-probe-")) / "probe.json"
+    out = scratch_dir("plait-probe-") / "probe.json"
     with Cluster.create(nodes=nodes, network=_network(args)) as cluster:
         print(f"probing all-reduce on {nodes} node(s) x {args.nproc_per_node}, "
               f"{cluster.network.describe()} ...", flush=True)  # fmt: skip
@@ -662,7 +662,7 @@ def _probe_network(args: argparse.Namespace) -> Any:
     from plait.cluster import Cluster, launch
     from plait.comm import CollectiveCosts
 
-    out = Path(tempfile.mkdtemp(prefix="plait-probe-")) / "probe.json"
+    out = scratch_dir("plait-probe-") / "probe.json"
     net = NetworkSpec(bandwidth=args.bandwidth)
     with Cluster.create(nodes=max(2, args.nodes), network=net) as cluster:
         result = launch(cluster, ["plait.bench.probe", str(out), "--collectives"], module=True,

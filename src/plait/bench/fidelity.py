@@ -19,11 +19,11 @@ import argparse
 import json
 import shlex
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from plait._proc import keep_scratch, scratch_dir
 from plait.bench.report import stamp
 from plait.bench.workloads import get_workload
 from plait.cluster import Cluster, NetworkSpec, launch
@@ -48,7 +48,7 @@ def run_fidelity(
         make_strategy(s).close()
     if epochs is not None and epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    work = Path(tempfile.mkdtemp(prefix="plait-fidelity-"))
+    work = scratch_dir("plait-fidelity-")
     records: list[dict[str, Any]] = []
     with Cluster.create(nodes=nodes, network=NetworkSpec(bandwidth=bandwidth)) as cluster:
         for w in workloads:
@@ -61,6 +61,7 @@ def run_fidelity(
                 print(f"fidelity: {w} / {s}, {n_epochs} epoch(s) on {nodes} node(s)", flush=True)
                 res = launch(cluster, argv, module=True, timeout_s=timeout_s, quiet=True)
                 if not res.ok or not out.exists():
+                    keep_scratch(work)
                     raise RuntimeError(f"training {w} with {s} failed:\n{res.tail()}")
                 summary = json.loads(out.read_text())
                 final = summary["final"]

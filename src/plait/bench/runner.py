@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from plait._proc import keep_scratch, scratch_dir
 from plait.bench.harness import BenchSpec
 from plait.bench.report import stamp, write_reports
 from plait.cluster import Cluster, NetworkSpec, launch
@@ -55,7 +55,7 @@ def run_bench(
         for s in strategies:
             make_strategy(s).check(bench_model, world=nodes * nproc_per_node)
     records: list[dict[str, Any]] = []
-    work = Path(tempfile.mkdtemp(prefix="plait-bench-"))
+    work = scratch_dir("plait-bench-")
     owned = cluster is None
     if cluster is None:
         cluster = Cluster.create(nodes=nodes, network=specs[0]).up()
@@ -91,6 +91,7 @@ def run_bench(
                 if not result.ok or not res_path.exists():
                     print(result.tail(), file=sys.stderr)
                     why = ", timed out" if result.timed_out else ""
+                    keep_scratch(work)
                     raise RuntimeError(
                         f"benchmark job {w} at {net.describe()} failed "
                         f"(exit codes {result.returncodes}{why})"
