@@ -56,3 +56,10 @@ def test_network_spec_validation() -> None:
     with pytest.raises(ValueError, match="rate"):
         NetworkSpec(bandwidth="warp9")
     assert parse_duration("200us") == pytest.approx(2e-4)
+
+
+def test_network_spec_stores_values_as_tc_reads_them() -> None:
+    spec = NetworkSpec(bandwidth=" 1GBit", latency="2MS")
+    assert spec.bandwidth == "1gbit"
+    assert spec.latency == "2ms"
+    assert NetworkSpec(bandwidth="Slow").rate == NAMED_RATES["slow"]

@@ -74,10 +74,13 @@ class NetworkSpec:
     loss: float | None = None
 
     def __post_init__(self) -> None:
+        # stored as tc reads them, so library callers get what the command line gets
         if self.bandwidth is not None:
             resolve_bandwidth(self.bandwidth)
+            object.__setattr__(self, "bandwidth", self.bandwidth.strip().lower())
         if self.latency is not None:
             parse_duration(self.latency)
+            object.__setattr__(self, "latency", _units.canonical_duration(self.latency))
         if self.loss is not None and not 0.0 <= self.loss < 100.0:
             raise ValueError(f"invalid loss {self.loss}: expected a percentage in [0, 100)")
 
