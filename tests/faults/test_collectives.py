@@ -80,9 +80,8 @@ def _kfac(rank: int, world: int, mode: str) -> int:
 
 
 def _plan(rank: int, world: int, plan: str, mode: str) -> int:
-    from tests.parallel.common import BATCH, batches, gpt, loss_fn
-
     import plait
+    from tests.parallel.common import BATCH, batches, gpt, loss_fn
 
     model, opt = plait.parallelize(gpt(), torch.optim.AdamW(gpt().parameters()), plan,
                                    loss_fn=loss_fn)  # fmt: skip
