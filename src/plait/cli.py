@@ -432,7 +432,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
               f"{cluster.network.describe()} ...", flush=True)  # fmt: skip
         result = launch(
             cluster,
-            ["plait.bench.probe", str(out)],
+            ["plait.comm.probe", str(out)],
             module=True,
             nproc_per_node=args.nproc_per_node,
             threads=args.threads,
@@ -665,7 +665,7 @@ def _probe_network(args: argparse.Namespace) -> Any:
     out = scratch_dir("plait-probe-") / "probe.json"
     net = NetworkSpec(bandwidth=args.bandwidth)
     with Cluster.create(nodes=max(2, args.nodes), network=net) as cluster:
-        result = launch(cluster, ["plait.bench.probe", str(out), "--collectives"], module=True,
+        result = launch(cluster, ["plait.comm.probe", str(out), "--collectives"], module=True,
                         nproc_per_node=args.nproc_per_node, threads=args.threads,
                         timeout_s=600, quiet=True)  # fmt: skip
     if not result.ok or not out.exists():
@@ -807,8 +807,8 @@ def _check_device(flag: str, device: str) -> None:
 
 def _check_strategies(specs: list[str], workloads: list[str], world: int) -> None:
     """Every spec fully checked, and each against each workload's benchmark model."""
-    from plait.bench.workloads import get_workload
     from plait.train.strategy import Strategy, make_strategy
+    from plait.workloads import get_workload
 
     if not specs:
         raise ValueError("--strategies: no strategy given; e.g. ssgd,acpsgd:rank=4")
@@ -823,14 +823,14 @@ def _check_strategies(specs: list[str], workloads: list[str], world: int) -> Non
             if type(strategy).check is Strategy.check:
                 continue  # nothing to check against the model: do not build it
             if model is None:
-                model = wl.model(wl.synthetic(8).info, bench=True)
+                model = wl.model(wl.bench_data(8).info, bench=True)
             strategy.check(model, world=world)
     for strategy in built:
         strategy.close()
 
 
 def _workloads(text: str) -> list[str]:
-    from plait.bench.workloads import get_workload
+    from plait.workloads import get_workload
 
     names = [w.strip() for w in text.split(",") if w.strip()]
     if not names:
@@ -858,14 +858,14 @@ def _validate_train(args: argparse.Namespace) -> None:
     cfg = train_config_from_args(args)  # workload, strategy spec and its options
     if "RANK" in os.environ:
         return  # a worker: the parent checked the rest before launching
-    from plait.bench.workloads import get_workload
     from plait.train.strategy import Strategy, make_strategy
+    from plait.workloads import get_workload
 
     strategy = make_strategy(cfg.strategy_spec())
     try:
         if type(strategy).check is not Strategy.check:  # plan degrees against world, model
             wl = get_workload(cfg.workload)
-            data = wl.real() if cfg.data == "real" else wl.synthetic(8)
+            data = wl.real() if cfg.data == "real" else wl.bench_data(8)
             strategy.check(wl.model(data.info), world=args.nodes * args.nproc_per_node)
     finally:
         strategy.close()

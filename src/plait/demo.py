@@ -33,7 +33,7 @@ def run_demo(*, nodes: int = 4, out: Path = Path("runs/demo"), quick: bool = Fal
         what = "network namespaces" if cluster.emulated else "loopback processes (unshaped)"
         print(f"[1/3] cluster {cluster.cid}: {nodes} {what}, links at {cluster.network.describe()}")
         probe_out = out / "probe.json"
-        res = launch(cluster, ["plait.bench.probe", str(probe_out)], module=True,
+        res = launch(cluster, ["plait.comm.probe", str(probe_out)], module=True,
                      timeout_s=600, quiet=True)  # fmt: skip
         if res.ok:
             from plait.cli import format_probe

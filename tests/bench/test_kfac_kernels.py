@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from plait.bench import kfac_kernels
-from plait.bench.workloads import get_workload
 from plait.kfac.layers import make_layer
+from plait.workloads import get_workload
 
 
 def test_every_layer_of_the_model_is_timed(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cluster
 def test_allreduce_bandwidth_matches_rate(rate: str, tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     with Cluster(nodes=2, network=NetworkSpec(bandwidth=rate)) as c:
-        res = launch(c, ["plait.bench.probe", str(out)], module=True, timeout_s=300, quiet=True)
+        res = launch(c, ["plait.comm.probe", str(out)], module=True, timeout_s=300, quiet=True)
     assert res.ok, res.tail()
     probe = json.loads(out.read_text())
     measured = probe["busbw_bps"][-1]  # the largest message: past the token bucket's burst

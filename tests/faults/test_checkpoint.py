@@ -20,14 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-import plait.train.checkpoint as ckpt_mod
-from plait.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    UnsafeCheckpointError,
-    load_sharded,
-    write_manifest,
-)
+import plait.persist as ckpt_mod
+from plait.persist import CheckpointError, UnsafeCheckpointError, write_manifest
+from plait.train.checkpoint import Checkpointer, load_sharded
 
 LOGGER = "plait.train.checkpoint"
 

@@ -1,7 +1,2 @@
-"""Benchmark harness, workloads and reports."""
-
-from __future__ import annotations
-
-from plait.bench.workloads import WORKLOADS, Workload, get_workload
-
-__all__ = ["WORKLOADS", "Workload", "get_workload"]
+"""Benchmarks: one harness core (interleaved rounds, medians, CPU accounting, records) and
+the suites built on it; results land in `benchmarks/` with their provenance."""

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from plait.bench.report import pyplot, save_figure, stamp
-from plait.bench.workloads import get_workload
 from plait.train.loop import TrainConfig, Trainer
+from plait.workloads import get_workload
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,9 +25,9 @@ from typing import Any
 
 from plait._proc import keep_scratch, scratch_dir
 from plait.bench.report import stamp
-from plait.bench.workloads import get_workload
 from plait.cluster import Cluster, NetworkSpec, launch
 from plait.train.strategy import make_strategy
+from plait.workloads import get_workload
 
 
 def run_fidelity(

@@ -38,13 +38,13 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import distributed as pdist
-from plait.bench.probe import probe_allreduce
-from plait.bench.workloads import get_workload
 from plait.comm import AlphaBeta
 from plait.comm import stats as comm_stats
+from plait.comm.probe import probe_allreduce
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.loop import seed_everything
 from plait.train.strategy import Strategy, make_strategy
+from plait.workloads import get_workload
 
 
 @dataclass(kw_only=True)
@@ -149,7 +149,7 @@ def run_benchmark(spec: BenchSpec) -> list[dict[str, Any]]:
     # 4 rounds of the global batch: strategies that shard more than the data (n-D plans)
     # give each data-parallel replica world x batch / replicas samples
     pool = 4 * batch * world
-    data = wl.synthetic(max(pool, 8))
+    data = wl.bench_data(max(pool, 8))
     xs, ys = (t for t in zip(*[data.train[i] for i in range(pool)], strict=True))
     x_all, y_all = torch.stack(list(xs)), torch.stack(list(ys))
     device = pdist.device()

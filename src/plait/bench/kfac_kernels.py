@@ -31,10 +31,10 @@ from torch import nn
 from tqdm import tqdm
 
 from plait.bench.report import git_commit, machine
-from plait.bench.workloads import get_workload
 from plait.kfac import triangle
 from plait.kfac.factors import Method, SecondOrder, decompose, pack, precondition
 from plait.kfac.layers import KFACLayer, make_layer
+from plait.workloads import get_workload
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
@@ -51,7 +51,7 @@ def _layer_inputs(workload: str) -> list[tuple[KFACLayer, torch.Tensor]]:
     """Every K-FAC layer of the workload's model with its input at the bench batch size
     (but embeddings: a diagonal A has no factor product, decomposition or solve to time)."""
     wl = get_workload(workload)
-    data = wl.synthetic(wl.bench_batch)
+    data = wl.bench_data(wl.bench_batch)
     model = wl.model(data.info, bench=True)
     x = torch.stack([data.train[i][0] for i in range(wl.bench_batch)])
     captured: list[tuple[KFACLayer, torch.Tensor]] = []

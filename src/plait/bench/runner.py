@@ -46,12 +46,12 @@ def run_bench(
     specs = [NetworkSpec(bandwidth=bw, latency=latency, loss=loss) for bw in bandwidths]
     for w in workloads:  # validate everything before building anything
         BenchSpec(workload=w, strategies=list(strategies), steps=steps, warmup=warmup)
-    from plait.bench.workloads import get_workload
     from plait.train.strategy import make_strategy
+    from plait.workloads import get_workload
 
     for w in workloads:
         wl = get_workload(w)
-        bench_model = wl.model(wl.synthetic(8).info, bench=True)
+        bench_model = wl.model(wl.bench_data(8).info, bench=True)
         for s in strategies:
             make_strategy(s).check(bench_model, world=nodes * nproc_per_node)
     records: list[dict[str, Any]] = []

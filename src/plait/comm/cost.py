@@ -78,7 +78,7 @@ class CollectiveCosts:
 
     Backends do not implement every collective as the bandwidth-optimal ring: gloo, for
     one, reduces and scatters by way of an all-reduce, and broadcasts along a tree. Fitted
-    per kind on the live network (`plait.bench.probe.probe_collectives`), the models price
+    per kind on the live network (`plait.comm.probe.probe_collectives`), the models price
     each collective as it really runs; kinds not measured fall back to `default`.
     """
 

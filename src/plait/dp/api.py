@@ -17,7 +17,7 @@ from plait.comm.fusion import (
     ddp_bucket_caps_mb,
 )
 from plait.dp.compress import AllReduce, Compressor, compressor_class
-from plait.train.checkpoint import from_plain, to_plain
+from plait.persist import from_plain, to_plain
 
 logger = logging.getLogger(__name__)
 

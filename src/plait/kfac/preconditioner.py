@@ -237,7 +237,7 @@ class KFAC:
     def _measure_links(self) -> AlphaBeta:
         if self.world <= 1 or not self.cfg.probe:
             return AlphaBeta.from_rate(1e9)
-        from plait.bench.probe import probe_allreduce
+        from plait.comm.probe import probe_allreduce
 
         sizes = (16 * 1024, 128 * 1024, 1024 * 1024)
         return probe_allreduce(sizes=sizes, repeats=2, group=self.group).model

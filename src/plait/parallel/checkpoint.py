@@ -12,7 +12,7 @@ another ZeRO stage, a pipeline, or a single process.
 on disk, and `load` refuses a directory without a matching one, so a save cut short is
 never mistaken for a checkpoint. Loading never runs code from the directory: the pickled
 index is checked against the classes it legitimately holds, and non-tensor values load
-with ``weights_only=True`` (`plait.train.checkpoint.dcp_load_safe`).
+with ``weights_only=True`` (`plait.persist.dcp_load_safe`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from plait import distributed as pdist
 from plait.parallel.api import ParallelModel
-from plait.train.checkpoint import (
+from plait.persist import (
     MANIFEST,
     CheckpointError,
     dcp_load_safe,

@@ -34,11 +34,11 @@ from plait.parallel.plan import Plan
 
 def measure_plan(workload: str, plan: Plan, *, batch: int, steps: int = 2) -> dict[str, Any]:
     """Model state and peak bytes of this rank under `plan` (collective)."""
-    from plait.bench.workloads import get_workload
+    from plait.workloads import get_workload
 
     wl = get_workload(workload)
     world = pdist.world_size()
-    data = wl.synthetic(batch * world)
+    data = wl.bench_data(batch * world)
     xs, ys = zip(*[data.train[i] for i in range(batch * world)], strict=True)
     x_all, y_all = torch.stack(list(xs)), torch.stack(list(ys))
     meter = PeakMemory()
@@ -61,12 +61,12 @@ def measure_plan(workload: str, plan: Plan, *, batch: int, steps: int = 2) -> di
 
 def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[dict[str, Any]]:
     """Measure every plan on the current process group; every rank returns the records."""
-    from plait.bench.workloads import get_workload
+    from plait.workloads import get_workload
 
     wl = get_workload(workload)
     world = pdist.world_size()
     b = batch or wl.bench_batch
-    data = wl.synthetic(b)
+    data = wl.bench_data(b)
     torch.manual_seed(0)
     model = wl.model(data.info, bench=True)
     dims = adapter_for(model).dims(model)

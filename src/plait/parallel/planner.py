@@ -81,7 +81,7 @@ class Hardware:
     Attributes:
         world: ranks.
         network: alpha-beta models of the collectives on the network (measured by
-            `plait.bench.probe.probe_collectives`; an `AlphaBeta` prices all alike).
+            `plait.comm.probe.probe_collectives`; an `AlphaBeta` prices all alike).
         memory_bytes: memory per device (None: unlimited).
         slots: ranks that compute at full speed at once; below `world` when ranks share a
             host's cores (an emulated cluster), so one rank's idle time speeds up others.
@@ -578,7 +578,7 @@ def auto_plan(
         dist.broadcast_object_list(box, src=0)
         profile = box[0]
         if network is None:
-            from plait.bench.probe import probe_collectives
+            from plait.comm.probe import probe_collectives
 
             network = probe_collectives()
     assert profile is not None
@@ -680,13 +680,13 @@ def plan_workload(
 
     `real` plans the training model and batch; otherwise the benchmark ones (`plait bench`).
     """
-    from plait.bench.workloads import get_workload
+    from plait.workloads import get_workload
 
     wl = get_workload(workload)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     batch = batch_size or (wl.train_batch if real else wl.bench_batch)
-    data = wl.real() if real else wl.synthetic(max(batch, 8))
+    data = wl.real() if real else wl.bench_data(max(batch, 8))
     model = wl.model(data.info, bench=not real)
     xs, ys = zip(*[data.train[i] for i in range(batch)], strict=True)
     sample = (torch.stack(list(xs)), torch.stack(list(ys)))

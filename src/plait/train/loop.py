@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from plait import distributed as pdist
-from plait.bench.workloads import DataSplit, Workload, get_workload
 from plait.comm import stats as comm_stats
 from plait.crossover.scheduler import Crossover, attach
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.checkpoint import Checkpointer, has_sharded, load_sharded
 from plait.train.strategy import Strategy, make_strategy
+from plait.workloads import DataSplit, Workload, get_workload
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -45,7 +45,7 @@ class TrainConfig:
     """Everything a training run needs; the CLI flags map one to one.
 
     Attributes:
-        workload: a name from `plait.bench.workloads.WORKLOADS`.
+        workload: a name from `plait.workloads.WORKLOADS`.
         strategy: strategy spec, ``name[:k=v,...]``.
         data: ``real`` (bundled data set with a test split) or ``synthetic``.
         epochs: passes over the training data (default: the workload's).
@@ -186,7 +186,9 @@ class Trainer:
         self.device = pdist.device()
         seed_everything(config.seed)
         self.data: DataSplit = (
-            self.wl.real() if config.data == "real" else self.wl.synthetic(config.synthetic_samples)
+            self.wl.real()
+            if config.data == "real"
+            else self.wl.bench_data(config.synthetic_samples)
         )
         model = self.wl.model(self.data.info).to(self.device)
         self.strategy = strategy or make_strategy(config.strategy_spec())

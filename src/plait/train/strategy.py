@@ -31,7 +31,11 @@ from torch import nn
 from plait import distributed as pdist
 
 #: Modules that register strategies when imported (looked up on first use).
-_PLUGINS = ("plait.dp.strategy", "plait.kfac.strategy", "plait.parallel.strategy")
+_PLUGINS = (
+    "plait.train.strategies.dp",
+    "plait.train.strategies.kfac",
+    "plait.train.strategies.parallel",
+)
 
 OptionValue = int | float | bool | str
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -1,7 +1,7 @@
 """Gradient compressors, each a DDP communication hook with state.
 
 Importing this package registers every compressor by name (and, through
-`plait.dp.strategy`, as a training and benchmark strategy of the same name).
+`plait.train.strategies.dp`, as a training and benchmark strategy of the same name).
 """
 
 from __future__ import annotations

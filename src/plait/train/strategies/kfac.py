@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.dp import compressor_class, compressor_of, data_parallel
-from plait.dp.strategy import DDP_OPTIONS, check_compressor, check_ddp_options
 from plait.kfac.config import KFACConfig
 from plait.kfac.preconditioner import KFAC
+from plait.train.strategies.dp import DDP_OPTIONS, check_compressor, check_ddp_options
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
 
 #: The mechanics each named strategy selects (its options may override any of them).

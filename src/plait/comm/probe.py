@@ -152,7 +152,7 @@ def probe_collectives(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point of `plait cluster probe`: ``python -m plait.bench.probe OUT.json``."""
+    """Worker entry point of `plait cluster probe`: ``python -m plait.comm.probe OUT.json``."""
     import json
     import sys
     from pathlib import Path

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from plait.kfac.strategy import PRESETS, KFACStrategy
+from plait.train.strategies.kfac import PRESETS, KFACStrategy
 from plait.train.strategy import available_strategies, make_strategy
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.bench import cpu
-from plait.bench.cpu import CpuSampler, read_jiffies
+from plait import cpu
+from plait.cpu import CpuSampler, read_jiffies
 
 
 def test_busy_reads_the_window_between_samples() -> None:
