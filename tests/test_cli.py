@@ -7,19 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from plait.cli import _split_specs, build_parser, main
+from plait.cli import build_parser, main
 from tests.bench.test_harness import CONTRACT as HARNESS_FIELDS
 
 CONTRACT = HARNESS_FIELDS | {"torch", "commit", "command"}
-
-
-def test_split_specs() -> None:
-    assert _split_specs("ssgd,acpsgd:rank=4,warmup=2,powersgd") == [
-        "ssgd",
-        "acpsgd:rank=4,warmup=2",
-        "powersgd",
-    ]
-    assert _split_specs("a:x=1,y=2;b") == ["a:x=1,y=2", "b"]
 
 
 @pytest.mark.parametrize(

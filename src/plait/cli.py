@@ -10,12 +10,14 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
 from plait._proc import scratch_dir
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
+from plait.specs import split_specs
+from plait.train.args import add_train_args, config_from_args
 from plait.units import parse_size
 
 
@@ -48,56 +50,6 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     g.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
 
 
-def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="mlp", help="mlp, resnet18, vgg or gpt")
-    p.add_argument("--strategy", default="ssgd", help="strategy spec, e.g. ssgd or acpsgd:rank=4")
-    p.add_argument("--data", default="real", choices=["real", "synthetic"])
-    n = p.add_mutually_exclusive_group()
-    n.add_argument("--epochs", type=int, default=None, help="passes over the data")
-    n.add_argument("--steps", type=int, default=None, help="optimizer steps (instead of epochs)")
-    p.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw"])
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (resumes from it)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a failure")
-    p.add_argument("--trace", default=None, help="write a merged Chrome trace here")
-    p.add_argument("--out", default=None, help="write the run's metrics (JSON) here")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="also evaluate every K steps (a learning curve in --out)")  # fmt: skip
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--crossover",
-        default=None,
-        metavar="GROUP",
-        help="share each device's compute token with co-located jobs of GROUP",
-    )
-    p.add_argument(
-        "--plan",
-        default=None,
-        help="n-D parallel plan, e.g. dp=2,tp=2,zero=3 or pp=4,schedule=interleaved, or auto "
-        "(--strategy then names the data axis's compressor)",
-    )
-    p.add_argument(
-        "--memory",
-        default=None,
-        help="memory per device for --plan auto: 2GiB = 2*2^30 bytes, 2GB = 2*10^9",
-    )
-
-
-def train_config_from_args(args: argparse.Namespace) -> Any:
-    from plait.train.loop import TrainConfig
-
-    names = {f.name for f in fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values["progress"] = not args.no_progress
-    return TrainConfig(**values)
-
-
 def _version_text() -> str:
     import torch
 
@@ -123,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
 
     t = sub.add_parser("train", help="train a workload with a strategy")
-    _add_train_args(t)
+    add_train_args(t)
     _add_cluster_args(t)
 
     r = sub.add_parser("run", help="run a script on an emulated cluster (one torchrun per node)")
@@ -327,21 +279,6 @@ def _add_bench_fused_parser(sub: Any) -> None:
                         "kernels (plait.fused.native)")  # fmt: skip
 
 
-def _split_specs(text: str) -> list[str]:
-    """Split a strategy list; options use commas too, so ';' separates when present."""
-    if ";" in text:
-        return [s.strip() for s in text.split(";") if s.strip()]
-    out: list[str] = []
-    for part in (s.strip() for s in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and ":" not in part and out:
-            out[-1] += "," + part  # an option of the previous spec
-        else:
-            out.append(part)
-    return out
-
-
 def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkSpec:
     return NetworkSpec(
         bandwidth=bandwidth if bandwidth is not None else args.bandwidth,
@@ -351,7 +288,7 @@ def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkS
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = train_config_from_args(args)
+    cfg = config_from_args(args)
     if "RANK" in os.environ:  # already launched by torchrun: train in this process
         from plait.train.loop import train
 
@@ -474,7 +411,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     records = run_bench(
         workloads=[w.strip() for w in args.workload.split(",") if w.strip()],
-        strategies=_split_specs(args.strategies),
+        strategies=split_specs(args.strategies),
         nodes=args.nodes,
         nproc_per_node=args.nproc_per_node,
         bandwidths=bandwidths,
@@ -855,7 +792,7 @@ def _validate_train(args: argparse.Namespace) -> None:
     _check_group("--crossover", args.crossover)
     if args.memory is not None:
         parse_size(args.memory, what="--memory size")
-    cfg = train_config_from_args(args)  # workload, strategy spec and its options
+    cfg = config_from_args(args)  # workload, strategy spec and its options
     if "RANK" in os.environ:
         return  # a worker: the parent checked the rest before launching
     from plait.train.strategy import Strategy, make_strategy
@@ -895,7 +832,7 @@ def _validate_bench(args: argparse.Namespace) -> None:
     _int_at_least("--batch-size", args.batch_size, 1)
     _writable_dir("--out", args.out)
     _check_strategies(
-        _split_specs(args.strategies), _workloads(args.workload), args.nodes * args.nproc_per_node
+        split_specs(args.strategies), _workloads(args.workload), args.nodes * args.nproc_per_node
     )
 
 

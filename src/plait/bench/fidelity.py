@@ -110,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     args = p.parse_args(argv)
-    from plait.cli import _split_specs
+    from plait.specs import split_specs
 
     command = "python -m plait.bench.fidelity " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     records = run_fidelity(
         workloads=[w.strip() for w in args.workload.split(",") if w.strip()],
-        strategies=_split_specs(args.strategies),
+        strategies=split_specs(args.strategies),
         nodes=args.nodes,
         epochs=args.epochs,
         bandwidth=args.bandwidth,

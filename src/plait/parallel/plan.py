@@ -192,7 +192,7 @@ class Plan:
         Raises:
             ValueError: unknown keys or values.
         """
-        from plait.train.strategy import parse_spec
+        from plait.specs import parse_spec
 
         _, options = parse_spec(":" + text)
         return cls.from_options(options)

@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--config-json"]:
         cfg = TrainConfig(**json.loads(Path(args[1]).read_text()))
     else:
-        from plait.cli import _add_train_args, train_config_from_args
+        from plait.train.args import add_train_args, config_from_args
 
         parser = argparse.ArgumentParser(prog="python -m plait.train")
-        _add_train_args(parser)
-        cfg = train_config_from_args(parser.parse_args(args))
+        add_train_args(parser)
+        cfg = config_from_args(parser.parse_args(args))
     try:
         train(cfg)
     finally:

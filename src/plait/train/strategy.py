@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait import distributed as pdist
+from plait.specs import parse_spec
 
 #: Modules that register strategies when imported (looked up on first use).
 _PLUGINS = (
@@ -37,7 +38,6 @@ _PLUGINS = (
     "plait.train.strategies.parallel",
 )
 
-OptionValue = int | float | bool | str
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -175,39 +175,6 @@ def _load_plugins() -> None:
 def available_strategies() -> list[str]:
     _load_plugins()
     return sorted(_REGISTRY)
-
-
-def _parse_value(text: str) -> OptionValue:
-    low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, OptionValue]]:
-    """Split ``"name:k=v,k2=v2"`` into the name and typed options.
-
-    Raises:
-        ValueError: an item that is not ``key=value``, or a key given twice.
-    """
-    name, _, rest = spec.strip().partition(":")
-    options: dict[str, OptionValue] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not eq or not key:
-            raise ValueError(f"invalid strategy option {item!r} in {spec!r}: expected key=value")
-        if key in options:
-            raise ValueError(f"option {key!r} given twice in {spec!r}")
-        options[key] = _parse_value(value.strip())
-    return name.strip(), options
 
 
 def keyword_options(cls: type, *, exclude: Iterable[str] = ("self", "group")) -> list[str]:
