@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
+DOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
 .PHONY: install demo test lint typecheck check bench bench-fused docs clean
 
@@ -19,12 +20,17 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/plait demo
 
+# The layer contract (pyproject's [tool.importlinter]), the suite, then the docs in strict
+# mode. pytest's exit code 5 (no tests ran) fails the target like any other failure.
 test: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
+	$(DOCS)
 
 lint: install
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/lint-imports
 
 typecheck: install
 	$(BIN)/mypy
@@ -39,7 +45,7 @@ bench-fused: install
 
 # The documentation site (mkdocs.yml, docs/) into site/; strict: broken links fail.
 docs: install
-	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
+	$(DOCS)
 
 clean:
 	rm -rf $(VENV) build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -434,9 +434,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_crossover(args: argparse.Namespace) -> int:
+    from plait.bench.colocate import Job, Mode, compare, run_colocated
+    from plait.bench.crossover_report import markdown, write
     from plait.cluster import Cluster
-    from plait.crossover.colocate import Job, Mode, compare, run_colocated
-    from plait.crossover.report import markdown, write
 
     for i, spec in enumerate(args.jobs):
         Job.parse(spec, i)  # bad job specs fail before any cluster is built
@@ -540,8 +540,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_fused(args: argparse.Namespace) -> int:
-    from plait.fused.bench import BenchConfig, StockAdam, Strategy, run_bench_fused
-    from plait.fused.bench.report import markdown_table, write_reports
+    from plait.bench.fused import BenchConfig, StockAdam, Strategy, run_bench_fused
+    from plait.bench.fused.report import markdown_table, write_reports
 
     cfg = BenchConfig(
         models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
@@ -837,7 +837,7 @@ def _validate_bench(args: argparse.Namespace) -> None:
 
 
 def _validate_crossover(args: argparse.Namespace) -> None:
-    from plait.crossover.colocate import Job
+    from plait.bench.colocate import Job
     from plait.train.loop import TrainConfig
 
     _check_cluster_args(args, multi_bandwidth=True)
@@ -902,7 +902,7 @@ def _validate_sweep(args: argparse.Namespace) -> None:
 
 
 def _validate_bench_fused(args: argparse.Namespace) -> None:
-    from plait.fused.bench import BENCH_MODELS, Strategy
+    from plait.bench.fused import BENCH_MODELS, Strategy
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:

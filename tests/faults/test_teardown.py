@@ -181,7 +181,7 @@ def test_ctrl_c_of_co_located_jobs_stops_them_within_seconds(tmp_path: Path) -> 
     import _thread
     import threading
 
-    from plait.crossover.colocate import Mode, run_colocated
+    from plait.bench.colocate import Mode, run_colocated
 
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.bench.scorecard import markdown, score
 from plait.cli import main as cli_main
 from plait.comm import AlphaBeta
 from plait.parallel import Plan, Schedule, ZeroStage, adapter_for
@@ -23,7 +24,6 @@ from plait.parallel.planner import (
     estimate,
     profile_model,
 )
-from plait.parallel.scorecard import markdown, score
 from tests.parallel.common import batches, gpt, loss_fn
 
 GLOBAL_BATCH = 8

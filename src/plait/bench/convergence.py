@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.bench.report import pyplot, save_figure, stamp
+from plait.records import pyplot, save_figure, stamp
 from plait.train.loop import TrainConfig, Trainer
 from plait.workloads import get_workload
 

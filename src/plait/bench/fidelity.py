@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from plait._proc import keep_scratch, scratch_dir
-from plait.bench.report import stamp
 from plait.cluster import Cluster, NetworkSpec, launch
+from plait.records import stamp
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
 

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from plait.bench.report import git_commit, machine
 from plait.kfac import triangle
 from plait.kfac.factors import Method, SecondOrder, decompose, pack, precondition
 from plait.kfac.layers import KFACLayer, make_layer
+from plait.records import git_commit, machine
 from plait.workloads import get_workload
 
 

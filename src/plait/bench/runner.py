@@ -15,8 +15,9 @@ from typing import Any
 
 from plait._proc import keep_scratch, scratch_dir
 from plait.bench.harness import BenchSpec
-from plait.bench.report import stamp, write_reports
+from plait.bench.report import write_reports
 from plait.cluster import Cluster, NetworkSpec, launch
+from plait.records import stamp
 
 
 def run_bench(

@@ -8,8 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from plait.bench.report import command_line, git_commit, machine, pyplot, save_figure
 from plait.fused.sweep.runner import SweepConfig, SweepResult
+from plait.records import command_line, git_commit, machine, pyplot, save_figure
 
 
 def to_json(result: SweepResult, cfg: SweepConfig, task: str) -> dict[str, Any]:

@@ -33,9 +33,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from plait.bench.crossover_report import plot_interleaving
 from plait.cluster import Cluster, LaunchResult, launch
 from plait.cpu import CpuSampler
-from plait.crossover.report import plot_interleaving
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.fused.bench import BenchConfig, StockAdam, Strategy, run_bench_fused
-from plait.fused.bench.report import write_reports
+from plait.bench.fused import BenchConfig, StockAdam, Strategy, run_bench_fused
+from plait.bench.fused.report import write_reports
 
 
 def test_every_strategy_measures_and_reports(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_every_strategy_measures_and_reports(tmp_path: Path) -> None:
 
 
 def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> None:
-    from plait.fused.bench.report import markdown_table
+    from plait.bench.fused.report import markdown_table
 
     cfg = BenchConfig(models=("mlp",), sizes=(2,), strategies=(Strategy.FUSED, Strategy.SERIAL),
                       steps=1, rounds=2, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
@@ -60,7 +60,7 @@ def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> Non
 def test_concurrent_processes_never_oversubscribe_the_cpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from plait.fused.bench import runner
+    from plait.bench.fused import runner
 
     monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
     cfg = BenchConfig(models=("mlp",), sizes=(1, 2), strategies=(Strategy.CONCURRENT,),
@@ -86,8 +86,8 @@ def test_malloc_tuning_reports_whether_it_applied() -> None:
 
 @pytest.mark.parametrize("adam", list(StockAdam))
 def test_stock_strategies_use_the_chosen_adam(adam: StockAdam) -> None:
-    from plait.fused.bench.models import get_model
-    from plait.fused.bench.strategies import Serial, Vmap, make_runner
+    from plait.bench.fused.models import get_model
+    from plait.bench.fused.strategies import Serial, Vmap, make_runner
 
     model = get_model("mlp")
     serial = make_runner(Strategy.SERIAL, model, 2, batch=4, threads=1, device="cpu", adam=adam)

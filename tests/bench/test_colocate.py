@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.crossover.colocate import Comparison, Job, JobRun, Mode, jain_index, window_rates
+from plait.bench.colocate import Comparison, Job, JobRun, Mode, jain_index, window_rates
 
 
 def _run(times: list[float]) -> JobRun:
@@ -109,7 +109,7 @@ def test_crossover_run_end_to_end(tmp_path: Path) -> None:
 
 
 def test_balanced_steps_give_every_job_the_slowest_ones_duration() -> None:
-    from plait.crossover.colocate import balanced_steps
+    from plait.bench.colocate import balanced_steps
 
     assert balanced_steps(12, [1.0, 0.5, 0.3]) == [12, 24, 40]
     assert balanced_steps(12, [0.5, 0.5]) == [12, 12]
@@ -118,7 +118,7 @@ def test_balanced_steps_give_every_job_the_slowest_ones_duration() -> None:
 
 
 def test_report_gives_the_cpu_busy_share_of_each_window() -> None:
-    from plait.crossover.report import markdown
+    from plait.bench.crossover_report import markdown
 
     def mode(speedup: float, busy: float | None) -> dict[str, object]:
         return {"speedup_vs_sequential": speedup, "slowdown_vs_alone": [1.5, 1.5],

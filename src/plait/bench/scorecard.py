@@ -2,7 +2,7 @@
 
 Reads benchmark records (`plait bench` results with explicit ``plan:...`` strategies and
 ``plan:auto=true[,memory=M]`` ones, side by side in one job) and the measured memory per
-plan (`plait.parallel.membench`). For every (workload, network, memory budget) setting it
+plan (`plait.bench.membench`). For every (workload, network, memory budget) setting it
 compares the automatic plan's measured iteration time with the fastest explicit plan whose
 *measured* peak fits the budget, and checks the chosen plan's own measured peak against
 the budget. The choice counts as right when it *is* the fastest fitting plan, or when its
@@ -10,7 +10,7 @@ time is within 10% of that plan's. Its time is the median of every step measured
 the automatic run's and, when the same plan also ran explicitly, that run's (two
 measurements of one plan in one job differ only by the machine's noise)::
 
-    python -m plait.parallel.scorecard RESULTS.json... --memory MEMORY.json... --out FILE.md
+    python -m plait.bench.scorecard RESULTS.json... --memory MEMORY.json... --out FILE.md
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.parallel.scorecard")
+    parser = argparse.ArgumentParser(prog="python -m plait.bench.scorecard")
     parser.add_argument("results", nargs="+", help="plait bench results.json files")
     parser.add_argument("--memory", required=True, nargs="+", help="membench memory.json files")
     parser.add_argument("--out", default=None, help="write the Markdown table here")

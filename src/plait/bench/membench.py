@@ -1,6 +1,6 @@
 """Per-rank memory of plans, measured next to the planner's prediction.
 
-Run on every rank (``plait run --nodes 4 -m -- plait.parallel.membench --out DIR``): for
+Run on every rank (``plait run --nodes 4 -m -- plait.bench.membench --out DIR``): for
 each plan it builds the workload's benchmark model under a `PeakMemory` meter, applies the
 plan, trains two steps (the first allocates optimizer states) and records, per rank, the
 model state at rest (local shards of parameters, gradients and optimizer states) and the
@@ -123,7 +123,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.parallel.membench")
+    parser = argparse.ArgumentParser(prog="python -m plait.bench.membench")
     parser.add_argument("--workload", default="gpt")
     parser.add_argument("--plans", required=True, help="plans separated by ';'")
     parser.add_argument("--batch-size", type=int, default=None, help="per-worker batch")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             (out / "memory.json").write_text(json.dumps(records, indent=2))
-            launch = f"plait run --nodes {pdist.world_size()} -m -- plait.parallel.membench"
+            launch = f"plait run --nodes {pdist.world_size()} -m -- plait.bench.membench"
             cmd = " ".join([launch, *(argv or sys.argv[1:])])
             (out / "memory.md").write_text(f"# Memory per rank\n\n`{cmd}`\n\n{markdown(records)}")
     finally:

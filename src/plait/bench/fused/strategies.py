@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.fused.bench.models import BenchModel, get_model
+from plait.bench.fused.models import BenchModel, get_model
 from plait.fused.convert import fuse
 from plait.fused.losses import cross_entropy
 from plait.fused.malloc import tune_malloc
@@ -206,7 +206,7 @@ class Concurrent(Runner):
         adam: StockAdam,
     ) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "plait.fused.bench.strategies"])
+        ctx.set_forkserver_preload(["torch", "plait.bench.fused.strategies"])
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for i in range(n):

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from plait.bench.report import git_commit, machine, pyplot, save_figure
+from plait.records import git_commit, machine, pyplot, save_figure
 
 
 def markdown(records: list[dict[str, Any]]) -> str:

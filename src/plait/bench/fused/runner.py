@@ -29,9 +29,9 @@ import torch
 from tqdm import tqdm
 
 from plait._proc import usable_cpus
+from plait.bench.fused.models import get_model
+from plait.bench.fused.strategies import Runner, StockAdam, Strategy, make_runner
 from plait.fused import native
-from plait.fused.bench.models import get_model
-from plait.fused.bench.strategies import Runner, StockAdam, Strategy, make_runner
 from plait.fused.malloc import tune_malloc
 
 

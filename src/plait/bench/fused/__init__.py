@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from plait.fused.bench.models import BENCH_MODELS, BenchModel
-from plait.fused.bench.runner import BenchConfig, run_bench_fused
-from plait.fused.bench.strategies import StockAdam, Strategy
+from plait.bench.fused.models import BENCH_MODELS, BenchModel
+from plait.bench.fused.runner import BenchConfig, run_bench_fused
+from plait.bench.fused.strategies import StockAdam, Strategy
 
 __all__ = ["BENCH_MODELS", "BenchConfig", "BenchModel", "StockAdam", "Strategy", "run_bench_fused"]

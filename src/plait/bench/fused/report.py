@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.bench.report import pyplot, save_figure, stamp
-from plait.fused.bench.strategies import Strategy
+from plait.bench.fused.strategies import Strategy
+from plait.records import pyplot, save_figure, stamp
 
 
 def _strategies(records: Sequence[dict[str, Any]]) -> list[str]:
