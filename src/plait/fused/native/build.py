@@ -65,6 +65,7 @@ _SIGNATURES = {
 }
 
 _lock = threading.Lock()
+_loaded_fds: list[int] = []
 _libraries: dict[tuple[tuple[str, int], ...], ctypes.CDLL | None] = {}
 _state = {"enabled": os.environ.get(ENV_SWITCH, "1").strip() != "0", "warned": False}
 
@@ -247,12 +248,17 @@ def _open_verified(sizes: dict[str, int]) -> ctypes.CDLL:
     for attempt in range(2):
         fd, problem = _verified_fd(path, key)
         if fd is not None:
+            # dlopen the descriptor that was hashed: a file swapped in at the name after
+            # the check is never the one loaded. The descriptor stays open as long as the
+            # library stays loaded (for good): the loader knows a library by its name, and
+            # a reused descriptor number would hand back the library loaded under it.
             try:
-                # dlopen the descriptor that was hashed: a file swapped in at the name
-                # after the check is never the one loaded.
-                return ctypes.CDLL(f"/proc/self/fd/{fd}")
-            finally:
+                lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+            except BaseException:
                 os.close(fd)
+                raise
+            _loaded_fds.append(fd)
+            return lib
         if attempt == 0 and problem is not None:
             log.warning("plait native kernel %s: %s; rebuilding it", path, problem)
         if attempt == 0:
