@@ -35,6 +35,7 @@ def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     saved = dict(build._libraries)
     build._libraries.clear()
     monkeypatch.setitem(build._state, "warned", False)
+    monkeypatch.setattr(build, "_refused", set())
     yield root
     build._libraries.clear()
     build._libraries.update(saved)
@@ -77,6 +78,7 @@ def test_planted_library_in_a_world_writable_cache_is_never_loaded(
     planted = plant(folder, lib)
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert build.load(**SIZES) is not None  # built and loaded elsewhere
+        assert build.load(SEQ=4, HEAD=3) is not None  # warned once, not once per size
     assert not marker.exists()
     assert planted.read_bytes() == lib.read_bytes()  # refused, not touched
     [message] = refusals(caplog)

@@ -11,6 +11,7 @@ import pytest
 
 from plait.fused.sweep import PrunerKind, SearchSpace, SweepConfig, digits_task, run_sweep
 from plait.fused.sweep.report import write_reports
+from plait.fused.sweep.runner import delete_study
 from plait.fused.sweep.storage import mask_secrets, mask_url
 
 
@@ -72,3 +73,6 @@ def test_storage_errors_do_not_quote_the_password(tmp_path: Path) -> None:
         run_sweep(digits_task("digits-mlp", SearchSpace(widths=(16,))), cfg)
     assert "hunter22" not in str(info.value)
     assert "notadialect://user:***@host/db" in str(info.value)
+    with pytest.raises(ValueError, match="cannot open Optuna storage") as info:
+        delete_study("s", storage)
+    assert "hunter22" not in str(info.value)

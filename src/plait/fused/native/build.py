@@ -66,6 +66,7 @@ _SIGNATURES = {
 
 _lock = threading.Lock()
 _loaded_fds: list[int] = []
+_refused: set[tuple[Path, str]] = set()
 _libraries: dict[tuple[tuple[str, int], ...], ctypes.CDLL | None] = {}
 _state = {"enabled": os.environ.get(ENV_SWITCH, "1").strip() != "0", "warned": False}
 
@@ -201,11 +202,13 @@ def library_dir() -> Path:
     if problem is None:
         return folder
     private = _private_dir()
-    log.warning(
-        "plait native kernel cache refused: %s; building in the private folder %s instead "
-        "(set %s to a folder only you can write)",
-        problem, private, ENV_CACHE,
-    )  # fmt: skip
+    if (folder, problem) not in _refused:  # once per folder and reason, not once per size
+        _refused.add((folder, problem))
+        log.warning(
+            "plait native kernel cache refused: %s; building in the private folder %s "
+            "instead (set %s to a folder only you can write)",
+            problem, private, ENV_CACHE,
+        )  # fmt: skip
     return private
 
 

@@ -360,10 +360,15 @@ def _capacity(
 
 def delete_study(name: str, storage: str | None) -> bool:
     """Delete study `name` from `storage` if it exists (True when it did)."""
+    url = storage_url(storage)
     try:
-        optuna.delete_study(study_name=name, storage=storage_url(storage))
+        optuna.delete_study(study_name=name, storage=url)
     except KeyError:
         return False
+    except Exception as exc:
+        raise ValueError(
+            f"cannot open Optuna storage {mask_url(url)}: {mask_secrets(str(exc), url)}"
+        ) from None
     return True
 
 
