@@ -12,8 +12,12 @@ memory-mapped file:
   so a crashed job never blocks the others;
 - bounded: a holder that keeps the token longer than `timeout_s` is reported with a clear
   error instead of stalling everyone forever;
-- private: the file lives in a directory only the current user can open (mode 0700), on
-  the local machine, so the token is not reachable by other users or machines.
+- private: the file lives in a directory only the current user can open (mode 0700, a
+  real directory and not a symbolic link), on the local machine, and is opened without
+  following links, so another user can neither reach the token nor point plait's writes
+  at a file of theirs choosing;
+- never hangs on a bad file: a file that is not a token (wrong size or header) is refused
+  when opened, and every wait (the file lock included) ends in `TokenTimeoutError`.
 
 Updates happen under `fcntl.flock` and are a few memory writes; waiting polls the mapped
 counters with a short back-off and no system calls.
@@ -22,11 +26,13 @@ counters with a short back-off and no system calls.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
 import re
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -42,7 +48,13 @@ _HEADER = 8  # int64 words before the slot ring
 _SIZE = 8 * (_HEADER + _SLOTS)
 _NEXT, _SERVING, _HOLDER, _SINCE, _GRANTS = 0, 1, 2, 3, 4
 _ABANDONED = -1
+_MAGIC_WORD = 7  # last header word: marks a file as a token of this layout
+_MAGIC = int.from_bytes(b"plaitTK1", "little")
+#: Longest the file lock may be waited for: it is held for a few memory writes, so a
+#: longer wait means a process is stuck holding it (or the file is shared with a stranger).
+LOCK_TIMEOUT_S = 10.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
 class TokenTimeoutError(TimeoutError):
@@ -50,18 +62,51 @@ class TokenTimeoutError(TimeoutError):
 
 
 def token_dir() -> Path:
-    """Per-user directory of token files (0700), on local storage."""
+    """Per-user directory of token files (0700), on local storage.
+
+    The directory is `plait-crossover-<uid>` under $PLAIT_TOKEN_DIR, else $XDG_RUNTIME_DIR,
+    else the system's temporary folder. In a shared folder such as /tmp another user may
+    have created that name first (as a directory of theirs or a link to any directory), so
+    an existing one must be a real directory, owned by this user, with mode 0700: anything
+    else is refused rather than repaired, since the token's writes would land where the
+    other user chose.
+
+    Raises:
+        PermissionError: the path exists and is not a private directory of this user.
+    """
     base = os.environ.get("PLAIT_TOKEN_DIR") or os.environ.get("XDG_RUNTIME_DIR")
     root = Path(base) if base else Path(tempfile.gettempdir())
     path = root / f"plait-crossover-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    check_private_dir(path)
+    return path
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse `path` unless it is a real directory (not a link) of this user with mode 0700.
+
+    Raises:
+        PermissionError: naming what is wrong and what is required.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise PermissionError(f"token directory {path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(
+            f"token directory {path} is a symbolic link (to {os.readlink(path)!r}); it must be "
+            f"a real directory of uid {os.getuid()} with mode 0700: remove it, or set "
+            "PLAIT_TOKEN_DIR to a private folder"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"token directory {path} is not a directory")
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(
             f"{path} must belong to uid {os.getuid()} with mode 0700 (it is "
             f"uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}): another user could reach the token"
         )
-    return path
 
 
 def device_key() -> str:
@@ -125,15 +170,19 @@ class ComputeToken:
             )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if key is not None and not _KEY_RE.match(key):
+            raise ValueError(f"invalid device key {key!r}: use letters, digits, '_', '.' or '-'")
         self.group = group
         self.key = key or device_key()
         self.timeout_s = timeout_s
-        self.path = (directory or token_dir()) / f"{group}.{self.key}.token"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        folder = directory if directory is not None else token_dir()
+        check_private_dir(folder)
+        self.path = folder / f"{group}.{self.key}.token"
+        self._fd = -1
+        fd = _open_token(self.path)
         try:
-            with _locked(fd):
-                if os.fstat(fd).st_size < _SIZE:
-                    os.ftruncate(fd, _SIZE)
+            with _locked(fd, self.path):
+                _init_or_check(fd, self.path)
             self._map = mmap.mmap(fd, _SIZE)
         except BaseException:
             os.close(fd)
@@ -164,7 +213,7 @@ class ComputeToken:
         if self.held:
             return
         start = time.monotonic()
-        with _locked(self._fd):
+        with _locked(self._fd, self.path):
             ticket = self._get(_NEXT)
             self._set(_NEXT, ticket + 1)
             self._set(self._slot(ticket), self._pid)
@@ -172,7 +221,7 @@ class ComputeToken:
         try:
             self._wait_turn(ticket, start)
         except BaseException:
-            with _locked(self._fd):  # let the others skip this ticket
+            with _locked(self._fd, self.path):  # let the others skip this ticket
                 self._set(self._slot(ticket), _ABANDONED)
             self._ticket = None
             raise
@@ -190,7 +239,7 @@ class ComputeToken:
         while True:
             serving = self._get(_SERVING)
             if serving == ticket:
-                with _locked(self._fd):
+                with _locked(self._fd, self.path):
                     self._set(_HOLDER, self._pid)
                     self._set(_SINCE, time.monotonic_ns())
                     self._set(_GRANTS, self._get(_GRANTS) + 1)
@@ -202,6 +251,8 @@ class ComputeToken:
                 next_check = now + 0.005
                 self._skip_dead(serving)
                 held_for = (time.monotonic_ns() - self._get(_SINCE)) / 1e9
+                if held_for < 0:  # a hand-off time in the future is no time: count from here
+                    held_for = now - start
                 if now - start > self.timeout_s and held_for > self.timeout_s:
                     holder = self._get(_HOLDER)
                     raise TokenTimeoutError(
@@ -212,7 +263,7 @@ class ComputeToken:
             pause = min(pause * 2, 1e-3)
 
     def _skip_dead(self, serving: int) -> None:
-        with _locked(self._fd):
+        with _locked(self._fd, self.path):
             while True:
                 serving = self._get(_SERVING)
                 if serving >= self._get(_NEXT):
@@ -231,7 +282,7 @@ class ComputeToken:
             self._ticket = None
             return
         assert self._ticket is not None
-        with _locked(self._fd):
+        with _locked(self._fd, self.path):
             self._set(self._slot(self._ticket), 0)
             self._set(_HOLDER, 0)
             self._set(_SINCE, time.monotonic_ns())
@@ -266,9 +317,75 @@ class ComputeToken:
         return self._get(_GRANTS)
 
 
+def _open_token(path: Path) -> int:
+    """Open (or create, 0600) the token file without following a link at its name.
+
+    O_NONBLOCK keeps a FIFO planted at the name from blocking the open; only a regular file
+    of this user is kept.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(
+                f"compute token {path} is a symbolic link; refusing to follow it (remove it)"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(
+                f"compute token {path} is not a regular file of uid {os.getuid()}; remove it"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _init_or_check(fd: int, path: Path) -> None:
+    """Lay out a new (empty) token file, or check that an existing one is a token."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        os.ftruncate(fd, _SIZE)
+        os.pwrite(fd, struct.pack("<q", _MAGIC), 8 * _MAGIC_WORD)
+        return
+    words = struct.unpack("<8q", os.pread(fd, 8 * _HEADER, 0)) if size == _SIZE else ()
+    # Files written before the header carried its mark have a zero there; their counters
+    # must still make sense to be taken as tokens.
+    if (
+        not words
+        or words[_MAGIC_WORD] not in {0, _MAGIC}
+        or not (0 <= words[_SERVING] <= words[_NEXT] <= words[_SERVING] + _SLOTS)
+    ):
+        raise ValueError(
+            f"{path} is not a plait compute token ({size} bytes, unknown header); "
+            "remove it if no job is using it"
+        )
+    if words[_MAGIC_WORD] == 0:
+        os.pwrite(fd, struct.pack("<q", _MAGIC), 8 * _MAGIC_WORD)
+
+
 @contextlib.contextmanager
-def _locked(fd: int) -> Iterator[None]:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+def _locked(fd: int, path: Path) -> Iterator[None]:
+    """Hold the file's lock, waiting at most `LOCK_TIMEOUT_S` for it."""
+    timeout_s = LOCK_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TokenTimeoutError(
+                    f"compute token {path.name}: its file lock was held for over "
+                    f"{timeout_s:.0f}s; a process is stuck holding it"
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
     try:
         yield
     finally:

@@ -9,9 +9,11 @@ from plait.fused.sweep.runner import (
     SweepConfig,
     SweepResult,
     TrialRecord,
+    recover_interrupted,
     run_sweep,
     train_array,
 )
+from plait.fused.sweep.storage import mask_url
 from plait.fused.sweep.task import TASK_NAMES, ClassificationTask, SearchSpace, digits_task
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "TrialRecord",
     "digits_task",
     "largest_fitting",
+    "mask_url",
+    "recover_interrupted",
     "run_sweep",
     "step_memory",
     "train_array",

@@ -1,4 +1,8 @@
-"""Sweep reports: results.json (every trial with its curve), results.md, curves.png."""
+"""Sweep reports: results.json (every trial with its curve), results.md, curves.png.
+
+Reports are shared and committed; the storage URL and the command line are recorded with
+any password masked (`plait.fused.sweep.storage.mask_url`).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +13,26 @@ from pathlib import Path
 from typing import Any
 
 from plait.fused.sweep.runner import SweepConfig, SweepResult
+from plait.fused.sweep.storage import mask_secrets, mask_url
 from plait.records import command_line, git_commit, machine, pyplot, save_figure
 
 
 def to_json(result: SweepResult, cfg: SweepConfig, task: str) -> dict[str, Any]:
+    config = {
+        k: str(v) if not isinstance(v, int | float | bool | None) else v
+        for k, v in asdict(cfg).items()
+    }
+    if cfg.storage is not None:
+        config["storage"] = mask_url(cfg.storage)
     return {
         "task": task,
         "study": result.study,
-        "storage": result.storage,
-        "config": {
-            k: str(v) if not isinstance(v, int | float | bool | None) else v
-            for k, v in asdict(cfg).items()
-        },
+        "storage": mask_url(result.storage),
+        "config": config,
         "capacities": result.capacities,
         "elapsed_s": result.elapsed_s,
         "trials": [asdict(r) for r in result.records],
-        "command": command_line(),
+        "command": mask_secrets(command_line(), cfg.storage),
         "commit": git_commit(),
         "machine": machine(),
     }
@@ -45,7 +53,8 @@ def markdown(data: dict[str, Any]) -> str:
         rows.append(f"| #{r['number']} | " + " | ".join(vals) + tail)
     states = [r["state"] for r in trials]
     summary = (
-        f"# Sweep `{data['study']}` ({data['task']})\n\nCommand: `{data['command']}`\n\n"
+        f"# Sweep `{data['study']}` ({data['task']})\n\n"
+        f"Command: `{mask_secrets(data['command'])}`\n\n"
         f"{len(trials)} trials: {states.count('COMPLETE')} complete, "
         f"{states.count('PRUNED')} pruned, {states.count('FAIL')} failed; "
         f"{data['elapsed_s']:.0f} s; largest arrays that fit: {data['capacities']}.\n\n"

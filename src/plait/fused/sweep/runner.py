@@ -6,13 +6,25 @@ fits in memory (found once per pool by doubling and bisection). After every epoc
 trial reports its validation accuracy; a trial the pruner stops, or one that diverges,
 leaves its array (`keep`) while the others train on. The study lives in Optuna storage
 (SQLite under runs/ by default; any RDB URL lets several machines share one sweep).
+
+A sweep that dies (killed, or its machine lost) leaves the trials it had asked RUNNING in
+the storage, where nothing would ever finish them. Every asked trial therefore records
+its owner (host, pid and the pid's start time) and a heartbeat, refreshed while it waits
+and trains; a sweep that starts on the study first marks FAIL every RUNNING trial whose
+owner is gone (a dead process on this host, or no heartbeat for `STALE_AFTER_S` from
+another host) and asks their configurations again, so the study still reaches its
+number of trials. Trials of a live sweep sharing the study are left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
+import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -23,14 +35,28 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from plait._proc import pid_alive
 from plait.fused.convert import fuse
 from plait.fused.losses import accuracy, cross_entropy
 from plait.fused.lr_scheduler import CosineAnnealingLR
 from plait.fused.optim import FusedSGD
 from plait.fused.sweep.capacity import available_memory, largest_fitting, step_memory
+from plait.fused.sweep.storage import mask_secrets, mask_url, storage_url
 from plait.fused.sweep.task import ClassificationTask
 
-DEFAULT_STORAGE = "sqlite:///runs/plait-sweeps.db"
+log = logging.getLogger(__name__)
+
+#: Trial system attributes: the process that asked the trial, its last sign of life (wall
+#: clock), and the mark of a trial failed because its sweep died (asked again elsewhere).
+OWNER_ATTR = "plait:owner"
+HEARTBEAT_ATTR = "plait:heartbeat"
+INTERRUPTED_ATTR = "plait:interrupted"
+#: User attribute of a trial that trains again the configuration of an interrupted one.
+RETRY_ATTR = "plait:retry_of"
+#: How often a sweep refreshes the heartbeat of the trials it holds.
+HEARTBEAT_INTERVAL_S = 30.0
+#: A RUNNING trial of another host whose heartbeat is older than this is taken for dead.
+STALE_AFTER_S = 600.0
 
 
 class PrunerKind(StrEnum):
@@ -96,6 +122,8 @@ class TrialRecord:
 
 @dataclass
 class SweepResult:
+    """A sweep's trials; `storage` is the study's URL with any password masked."""
+
     study: str
     storage: str
     records: list[TrialRecord] = field(default_factory=list)
@@ -106,13 +134,6 @@ class SweepResult:
     def best(self) -> TrialRecord | None:
         done = [r for r in self.records if r.state == "COMPLETE" and r.value is not None]
         return max(done, key=lambda r: r.value or 0.0, default=None)
-
-
-def _storage_url(url: str | None) -> str:
-    url = url or DEFAULT_STORAGE
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return url
 
 
 def _pruner(cfg: SweepConfig) -> optuna.pruners.BasePruner:
@@ -179,8 +200,13 @@ def train_array(
     cfg: SweepConfig,
     study: optuna.Study,
     array_id: int,
+    heartbeat: Callable[[], None] | None = None,
 ) -> list[TrialRecord]:
-    """Train `trials` as one fused array; report, prune and tell each one."""
+    """Train `trials` as one fused array; report, prune and tell each one.
+
+    `heartbeat` is called after every step, so the sweep can show the storage that the
+    trials it holds are alive (it throttles the writes itself).
+    """
     b = len(trials)
     batch_size = int(params[0].get("batch_size", 32))
     array = fuse(_models(task, params, [t.number for t in trials], cfg.seed), fallback="vmap")
@@ -203,6 +229,8 @@ def train_array(
             opt.step()
             sched.step()
             bar.update(1)
+            if heartbeat is not None:
+                heartbeat()
         acc = _evaluate(array, data, len(active))
         drop: list[int] = []
         for j, i in enumerate(active):
@@ -332,26 +360,178 @@ def _capacity(
 
 def delete_study(name: str, storage: str | None) -> bool:
     """Delete study `name` from `storage` if it exists (True when it did)."""
+    url = storage_url(storage)
     try:
-        optuna.delete_study(study_name=name, storage=_storage_url(storage))
+        optuna.delete_study(study_name=name, storage=url)
     except KeyError:
         return False
+    except Exception as exc:
+        raise ValueError(
+            f"cannot open Optuna storage {mask_url(url)}: {mask_secrets(str(exc), url)}"
+        ) from None
     return True
 
 
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), to tell it from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat.rpartition(")")[2].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _owner_gone(trial: optuna.trial.FrozenTrial, host: str, now: float) -> str | None:
+    """Why the sweep that asked RUNNING `trial` is known to be gone, or None if it may live."""
+    owner = trial.system_attrs.get(OWNER_ATTR)
+    if isinstance(owner, dict) and owner.get("host") == host:
+        pid = int(owner.get("pid", 0))
+        if not pid_alive(pid):
+            return f"its process {pid} on this host has exited"
+        started = owner.get("start")
+        if started is not None and _start_ticks(pid) not in {None, started}:
+            return f"its process {pid} on this host has exited (the pid was reused)"
+        return None
+    beat = trial.system_attrs.get(HEARTBEAT_ATTR)
+    last = float(beat) if isinstance(beat, int | float) else None
+    if last is None and trial.datetime_start is not None:
+        last = trial.datetime_start.timestamp()
+    if last is not None and now - last > STALE_AFTER_S:
+        where = owner.get("host") if isinstance(owner, dict) else "an unknown host"
+        return f"no sign of life from {where} for {now - last:.0f}s"
+    return None
+
+
+def recover_interrupted(study: optuna.Study) -> list[int]:
+    """Fail the RUNNING trials whose sweep is gone and ask their configurations again.
+
+    Each such trial is marked FAIL (with `INTERRUPTED_ATTR`, so it does not count towards
+    the study's trials) and its parameters are enqueued, so the next `ask` trains the same
+    configuration. When several sweeps recover at once, the storage lets only one of them
+    fail a given trial, and only that one enqueues it.
+
+    Returns:
+        The numbers of the trials failed here.
+    """
+    storage, host, now = study._storage, socket.gethostname(), time.time()
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        why = _owner_gone(trial, host, now)
+        if why is None:
+            continue
+        try:
+            storage.set_trial_system_attr(trial._trial_id, INTERRUPTED_ATTR, True)
+            if not storage.set_trial_state_values(
+                trial._trial_id, state=optuna.trial.TrialState.FAIL
+            ):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another sweep finished or failed it first
+        study.enqueue_trial(trial.params, user_attrs={RETRY_ATTR: trial.number})
+        failed.append(trial.number)
+        log.warning(
+            "trial #%d was left RUNNING by a sweep that is gone (%s): marked FAIL, its "
+            "configuration will be trained again",
+            trial.number, why,
+        )  # fmt: skip
+    return failed
+
+
+def _counted(study: optuna.Study) -> int:
+    """Trials that count towards the study's total: all but those waiting to be asked and
+    those failed because their sweep died (their configurations are asked again)."""
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False)
+        if t.state != optuna.trial.TrialState.WAITING and not t.system_attrs.get(INTERRUPTED_ATTR)
+    )
+
+
+class _Holder:
+    """The trials this sweep has asked and not yet told: their owner mark and heartbeat."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self.study = study
+        pid = os.getpid()
+        self.owner: dict[str, Any] = {
+            "host": socket.gethostname(),
+            "pid": pid,
+            "start": _start_ticks(pid),
+        }
+        self.trials: dict[int, optuna.trial.Trial] = {}
+        self.last = 0.0
+
+    def claim(self, trial: optuna.trial.Trial) -> None:
+        storage = self.study._storage
+        storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, self.owner)
+        storage.set_trial_system_attr(trial._trial_id, HEARTBEAT_ATTR, time.time())
+        self.trials[trial.number] = trial
+
+    def beat(self) -> None:
+        """Refresh the heartbeat of every held trial, at most every HEARTBEAT_INTERVAL_S."""
+        now = time.monotonic()
+        if now - self.last < HEARTBEAT_INTERVAL_S:
+            return
+        self.last = now
+        storage, wall = self.study._storage, time.time()
+        for number, trial in list(self.trials.items()):
+            try:
+                storage.set_trial_system_attr(trial._trial_id, HEARTBEAT_ATTR, wall)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                del self.trials[number]
+
+    def done(self, trials: Sequence[optuna.trial.Trial]) -> None:
+        for trial in trials:
+            self.trials.pop(trial.number, None)
+
+    def abandon(self) -> None:
+        """The sweep is stopping early: fail its open trials and ask them again later."""
+        storage = self.study._storage
+        for trial in self.trials.values():
+            with contextlib.suppress(Exception):
+                storage.set_trial_system_attr(trial._trial_id, INTERRUPTED_ATTR, True)
+                if storage.set_trial_state_values(
+                    trial._trial_id, state=optuna.trial.TrialState.FAIL
+                ):
+                    self.study.enqueue_trial(
+                        trial.params, user_attrs={"plait:retry_of": trial.number}
+                    )
+        self.trials.clear()
+
+
+def _open_study(name: str, storage: str, cfg: SweepConfig) -> optuna.Study:
+    try:
+        return optuna.create_study(
+            study_name=name, storage=storage, direction="maximize", sampler=_sampler(cfg),
+            pruner=_pruner(cfg), load_if_exists=True,
+        )  # fmt: skip
+    except Exception as exc:
+        # Errors of the storage layer may quote the URL, password included.
+        raise ValueError(
+            f"cannot open Optuna storage {mask_url(storage)}: {mask_secrets(str(exc), storage)}"
+        ) from None
+
+
 def run_sweep(task: ClassificationTask, cfg: SweepConfig) -> SweepResult:
-    """Run (or continue) the study until it holds `cfg.trials` trials."""
+    """Run (or continue) the study until it holds `cfg.trials` trials.
+
+    Trials left RUNNING by a sweep that died are failed and their configurations trained
+    again (`recover_interrupted`); they do not count towards `cfg.trials`.
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = _storage_url(cfg.storage)
+    storage = storage_url(cfg.storage)
     name = cfg.study or task.name
-    study = optuna.create_study(
-        study_name=name, storage=storage, direction="maximize", sampler=_sampler(cfg),
-        pruner=_pruner(cfg), load_if_exists=True,
-    )  # fmt: skip
+    study = _open_study(name, storage, cfg)
+    log.info("sweep %r in %s", name, mask_url(storage))
+    recover_interrupted(study)
     data = _Data(task, cfg.device)
-    result = SweepResult(study=name, storage=storage)
+    result = SweepResult(study=name, storage=mask_url(storage))
     capacities: dict[Any, int] = {}
     pools: dict[Any, list[tuple[optuna.trial.Trial, dict[str, Any]]]] = {}
+    holder = _Holder(study)
     start = time.perf_counter()
     array_id = 0
 
@@ -359,28 +539,36 @@ def run_sweep(task: ClassificationTask, cfg: SweepConfig) -> SweepResult:
         nonlocal array_id
         pool = pools.pop(key)
         array_id += 1
+        trials = [t for t, _ in pool]
         result.records.extend(train_array(
-            task, [t for t, _ in pool], [p for _, p in pool],
-            data=data, cfg=cfg, study=study, array_id=array_id,
+            task, trials, [p for _, p in pool],
+            data=data, cfg=cfg, study=study, array_id=array_id, heartbeat=holder.beat,
         ))  # fmt: skip
+        holder.done(trials)
 
     # Ask trials one by one into pools of equal non-fusible values; a pool trains as one
     # array as soon as it reaches the largest size that fits (the sampler then sees its
     # results), and whatever is left trains once the study has all its trials.
-    while cfg.trials - len(study.trials) > 0:
-        trial = study.ask()
-        params = task.suggest(trial)
-        key = task.partition_key(params)
-        if key not in capacities:
-            capacities[key] = _capacity(task, params, data, cfg)
-            result.capacities[", ".join(f"{k}={v}" for k, v in key) or "all"] = capacities[key]
-            if cfg.progress:
-                tqdm.write(f"largest array that fits ({dict(key) or 'all trials'}): "
-                           f"{capacities[key]} models (limit {cfg.max_models})")  # fmt: skip
-        pools.setdefault(key, []).append((trial, params))
-        if len(pools[key]) >= capacities[key]:
+    try:
+        while cfg.trials - _counted(study) > 0:
+            trial = study.ask()
+            holder.claim(trial)
+            params = task.suggest(trial)
+            key = task.partition_key(params)
+            if key not in capacities:
+                capacities[key] = _capacity(task, params, data, cfg)
+                result.capacities[", ".join(f"{k}={v}" for k, v in key) or "all"] = capacities[key]
+                if cfg.progress:
+                    tqdm.write(f"largest array that fits ({dict(key) or 'all trials'}): "
+                               f"{capacities[key]} models (limit {cfg.max_models})")  # fmt: skip
+            pools.setdefault(key, []).append((trial, params))
+            holder.beat()
+            if len(pools[key]) >= capacities[key]:
+                train(key)
+        for key in list(pools):
             train(key)
-    for key in list(pools):
-        train(key)
+    except BaseException:
+        holder.abandon()
+        raise
     result.elapsed_s = time.perf_counter() - start
     return result
