@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from plait.bench.harness import BenchSpec, run_benchmark
+from plait.bench.records import BenchRecord
 from plait.testing import run_distributed
 
 CONTRACT = {
@@ -22,7 +23,7 @@ CONTRACT = {
 }
 
 
-def _bench(rank: int, world: int, spec: BenchSpec) -> list[dict[str, object]]:
+def _bench(rank: int, world: int, spec: BenchSpec) -> list[BenchRecord]:
     return run_benchmark(spec)
 
 
@@ -34,22 +35,19 @@ def test_records_side_by_side() -> None:
     assert recs[0] == recs[1]  # every rank reports the same (slowest-rank) figures
     a, b = recs[0]
     for r in (a, b):
-        assert set(r) >= CONTRACT
-        assert r["iter_time_min_s"] <= r["iter_time_s"] <= r["iter_time_max_s"]
-        assert len(r["iter_times_s"]) == 3 and r["compute_time_s"] > 0
-        assert 0 < r["overlap_efficiency"] < 2
+        assert set(r.to_dict()) >= CONTRACT
+        assert r.iter_time_min_s <= r.iter_time_s <= r.iter_time_max_s
+        assert len(r.iter_times_s) == 3 and r.compute_time_s > 0
+        assert 0 < r.overlap_efficiency < 2
         # a step costs its process CPU time; a one-thread worker cannot use more than
         # its wall time plus the collective library's threads, a few times over at most
-        assert r["compute_cpu_time_s"] > 0 and 0 < r["cpu_time_s"] < 8 * r["iter_time_max_s"]
-        assert r["probe"]["world"] == 2
+        assert r.compute_cpu_time_s is not None and r.compute_cpu_time_s > 0
+        assert r.cpu_time_s is not None and 0 < r.cpu_time_s < 8 * r.iter_time_max_s
+        assert r.probe is not None and r.probe["world"] == 2
     # same model, same bytes whatever the bucketing; 1 MiB buckets mean more collectives
-    assert (
-        a["bytes_per_step"]
-        == b["bytes_per_step"]
-        == pytest.approx(2 * (2 - 1) / 2 * 4 * a["params"])
-    )
-    assert a["strategy"] == b["strategy"] == "ssgd"
-    assert b["strategy_spec"] == "ssgd:bucket_cap_mb=1"
+    assert a.bytes_per_step == b.bytes_per_step == pytest.approx(2 * (2 - 1) / 2 * 4 * a.params)
+    assert a.strategy == b.strategy == "ssgd"
+    assert b.strategy_spec == "ssgd:bucket_cap_mb=1"
 
 
 def test_bad_spec() -> None:
@@ -57,17 +55,3 @@ def test_bad_spec() -> None:
         BenchSpec(workload="alexnet", strategies=["ssgd"])
     with pytest.raises(ValueError, match="no strategies"):
         BenchSpec(workload="mlp", strategies=[])
-
-
-def test_table_shows_added_cpu() -> None:
-    from plait.bench.report import markdown_table
-
-    rec = {
-        "workload": "mlp", "bandwidth": "slow", "rate": "100mbit", "strategy": "ssgd",
-        "iter_time_s": 0.5, "iter_time_min_s": 0.4, "iter_time_max_s": 0.6,
-        "compute_time_s": 0.25, "bytes_per_step": 2e6, "overlap_efficiency": 0.5,
-    }  # fmt: skip
-    measured = markdown_table([{**rec, "cpu_time_s": 0.273, "compute_cpu_time_s": 0.206}])
-    assert measured.splitlines()[-1].endswith("| 273 (+67) |")
-    # records from before CPU accounting still render
-    assert markdown_table([rec]).splitlines()[-1].endswith("| - |")
