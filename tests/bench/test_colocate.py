@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.bench.colocate import Comparison, Job, JobRun, Mode, jain_index, window_rates
+from plait.bench.colocate import Job, JobRun, Mode, jain_index, window_rates
+from plait.bench.records import Comparison
 
 
 def _run(times: list[float]) -> JobRun:

@@ -8,8 +8,9 @@ older files lack have None defaults and load from them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Self
 
 from plait.records import ABSENT_IF_NONE, Record
 
@@ -83,3 +84,65 @@ class FusedRecord(Record):
     malloc_tuned: bool
     stock_adam: str | None = None
     native_kernels: bool | None = None
+
+
+@dataclass(kw_only=True)
+class ModeResult:
+    """One way of co-locating the jobs, medians over the repeats."""
+
+    steps_per_s: list[float]  # each job's rate inside the common window
+    normalised: list[float]  # each job's rate over its rate alone
+    speedup_vs_sequential: float  # the sum of the normalised rates
+    speedup_runs: list[float]  # that sum in every repeat
+    slowdown_vs_alone: list[float]
+    window_s: float
+    token: list[dict[str, float] | None]  # each job's token statistics (last repeat)
+    fairness: float  # Jain's index of the normalised rates
+    cpu_busy: float | None = None  # host CPU busy share inside the window
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mode's JSON object."""
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class Comparison(Record):
+    """Sequential vs uncoordinated vs crossover for one set of jobs at one network setting."""
+
+    jobs: list[str]
+    bandwidth: str
+    rate: str
+    steps: int
+    warmup: int
+    repeats: int
+    alone_steps_per_s: list[float]
+    alone_step_s: list[float]
+    compute_s: list[float]
+    co_located_steps: list[int] = field(default_factory=list)
+    alone_cpu_busy: list[float | None] | None = None
+    modes: dict[str, ModeResult] = field(default_factory=dict)
+
+    derived: ClassVar[tuple[str, ...]] = ("ideal_speedup",)
+
+    def ideal_speedup(self) -> float:
+        """Normalised throughput of a perfect crossover, from the jobs' measured compute c
+        (token hold time alone) and communication m (the rest of a step alone).
+
+        Jobs take turns: while job i computes, job i-1 communicates, so a cycle in which
+        every job does one step lasts sum_i max(c_i, m_(i-1)); for two jobs that is the
+        ideal max(cA, mB) + max(cB, mA) against cA + mA + cB + mB one after another.
+        """
+        c = self.compute_s
+        m = [max(0.0, s - ci) for s, ci in zip(self.alone_step_s, c, strict=True)]
+        cycle = sum(max(c[i], m[i - 1]) for i in range(len(c)))
+        return sum((ci + mi) / cycle for ci, mi in zip(c, m, strict=True))
+
+    def extra_keys(self) -> dict[str, Any]:
+        """The ideal speed-up, written beside the measured ones."""
+        return {"ideal_speedup": self.ideal_speedup()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """A comparison from its JSON object (its modes included)."""
+        modes = {k: ModeResult(**v) for k, v in data.get("modes", {}).items()}
+        return super().from_dict({**data, "modes": modes})
