@@ -120,8 +120,12 @@ def test_rounds_interleave_strategies_then_compute_only_and_summarise(
     monkeypatch.setattr(harness, "Stopwatch", Clock)
     spec = BenchSpec(workload="fake", strategies=["a", "b:x=1"], steps=3, warmup=1, probe=False)
     a, b = harness.run_benchmark(spec)
-    assert turns[:4] == [("a", "step"), ("b:x=1", "step"), ("a", "compute-only"),
-                         ("b:x=1", "compute-only")]  # fmt: skip
+    assert turns[:4] == [
+        ("a", "step"),
+        ("b:x=1", "step"),
+        ("a", "compute-only"),
+        ("b:x=1", "compute-only"),
+    ]
     assert len(turns) == 4 * (1 + 3)
     # kept rounds 1..3: a's steps are turns 5, 9, 13; its compute-only steps 7, 11, 15
     assert a.iter_times_s == [5.0, 9.0, 13.0] and b.iter_times_s == [6.0, 10.0, 14.0]
@@ -137,13 +141,25 @@ def test_rounds_interleave_strategies_then_compute_only_and_summarise(
 
 def test_bench_record_from_synthetic_figures() -> None:
     rec = bench_record(
-        workload="mlp", strategy_spec="acpsgd:rank=4", strategy_desc="acpsgd rank 4", world=4,
-        bandwidth="slow", rate="100mbit", batch=8, params=1000, warmup=2,
-        iter_s=[0.5, 0.3, 0.4, 0.9], compute_s=[0.2, 0.25, 0.2, 0.3],
-        cpu_s=[0.4, 0.5, 0.6, 0.5], compute_cpu_s=[0.3, 0.3, 0.3, 0.3],
-        payload=[100, 100, 300, 100], wire=[150.0, 150.0, 450.0, 150.0],
-        comm_lb=[0.35, 0.4, 0.38, 0.36], nic=[400.0, 400.0, 800.0, 400.0], threads=1,
-    )  # fmt: skip
+        workload="mlp",
+        strategy_spec="acpsgd:rank=4",
+        strategy_desc="acpsgd rank 4",
+        world=4,
+        bandwidth="slow",
+        rate="100mbit",
+        batch=8,
+        params=1000,
+        warmup=2,
+        iter_s=[0.5, 0.3, 0.4, 0.9],
+        compute_s=[0.2, 0.25, 0.2, 0.3],
+        cpu_s=[0.4, 0.5, 0.6, 0.5],
+        compute_cpu_s=[0.3, 0.3, 0.3, 0.3],
+        payload=[100, 100, 300, 100],
+        wire=[150.0, 150.0, 450.0, 150.0],
+        comm_lb=[0.35, 0.4, 0.38, 0.36],
+        nic=[400.0, 400.0, 800.0, 400.0],
+        threads=1,
+    )
     assert rec.strategy == "acpsgd" and rec.nodes == 4 and rec.steps == 4
     assert rec.iter_time_s == pytest.approx(0.45) and rec.iter_time_mean_s == pytest.approx(0.525)
     assert (rec.iter_time_min_s, rec.iter_time_max_s) == (0.3, 0.9)

@@ -13,14 +13,33 @@ from plait.records import stamp
 
 def _record(**changes: object) -> BenchRecord:
     rec = BenchRecord(
-        workload="mlp", strategy="ssgd", strategy_spec="ssgd", strategy_desc="ssgd", nodes=2,
-        nproc_per_node=1, world_size=2, bandwidth="slow", rate="100mbit", batch_size=8,
-        params=10, steps=3, warmup=1, iter_time_s=0.5, iter_time_min_s=0.4,
-        iter_time_max_s=0.6, iter_times_s=[0.4, 0.5, 0.6], compute_time_s=0.25,
-        compute_times_s=[0.25] * 3, comm_lower_bound_s=0.1, overlap_efficiency=0.5,
-        payload_bytes_per_step=1e6, bytes_per_step=2e6, nic_bytes_per_step=None,
-        samples_per_s=32.0, threads=1,
-    )  # fmt: skip
+        workload="mlp",
+        strategy="ssgd",
+        strategy_spec="ssgd",
+        strategy_desc="ssgd",
+        nodes=2,
+        nproc_per_node=1,
+        world_size=2,
+        bandwidth="slow",
+        rate="100mbit",
+        batch_size=8,
+        params=10,
+        steps=3,
+        warmup=1,
+        iter_time_s=0.5,
+        iter_time_min_s=0.4,
+        iter_time_max_s=0.6,
+        iter_times_s=[0.4, 0.5, 0.6],
+        compute_time_s=0.25,
+        compute_times_s=[0.25] * 3,
+        comm_lower_bound_s=0.1,
+        overlap_efficiency=0.5,
+        payload_bytes_per_step=1e6,
+        bytes_per_step=2e6,
+        nic_bytes_per_step=None,
+        samples_per_s=32.0,
+        threads=1,
+    )
     return dataclasses.replace(rec, **changes)
 
 
