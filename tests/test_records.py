@@ -41,10 +41,10 @@ def test_from_dict_round_trips_and_names_unknown_or_missing_keys() -> None:
 
 
 def test_stamp_adds_provenance_to_records_and_dicts() -> None:
-    row, plain = stamp([_Row(name="a"), {"name": "b"}], command="plait bench")
-    assert isinstance(row, _Row) and row.command == "plait bench" and row.commit
+    (row,) = stamp([_Row(name="a")], command="plait bench")
+    (plain,) = stamp([{"name": "b"}], command="plait bench")
+    assert row.command == "plait bench" and row.commit
     assert row.machine is not None and row.torch
-    assert isinstance(plain, dict)
     assert plain["command"] == "plait bench" and set(plain) >= {"torch", "commit", "machine"}
     assert list(row.to_dict())[-4:] == ["torch", "commit", "command", "machine"]
 

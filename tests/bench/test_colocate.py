@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -164,13 +165,13 @@ def test_compare_interleaves_repeats_and_takes_medians(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(colocate, "_run_jobs", fake_runs)
     monkeypatch.setattr(colocate, "CpuSampler", Busy)
-    cluster = SimpleNamespace(cid="c", network=SimpleNamespace(bandwidth="slow", rate="1mbit"))
+    cluster: Any = SimpleNamespace(cid="c", network=SimpleNamespace(bandwidth="slow", rate="1mbit"))
     comp = colocate.compare(
         cluster,
         ["mlp/ssgd", "gpt/ssgd"],
         steps=10,
         warmup=1,
-        repeats=2,  # type: ignore[arg-type]
+        repeats=2,
         progress=False,
     )
     order = [(m, n) for m, n, _ in calls]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from plait.bench.records import BenchRecord
 from plait.bench.report import markdown_table, write_reports
 from plait.records import stamp
 
 
-def _record(**changes: object) -> BenchRecord:
+def _record(**changes: Any) -> BenchRecord:
     rec = BenchRecord(
         workload="mlp",
         strategy="ssgd",
