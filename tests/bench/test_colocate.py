@@ -5,10 +5,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from plait.bench.colocate import Comparison, Job, JobRun, Mode, jain_index, window_rates
+from plait.bench.colocate import Job, JobRun, Mode, jain_index, window_rates
+from plait.bench.records import Comparison
 
 
 def _run(times: list[float]) -> JobRun:
@@ -117,18 +120,73 @@ def test_balanced_steps_give_every_job_the_slowest_ones_duration() -> None:
         balanced_steps(12, [1.0, 0.0])
 
 
-def test_report_gives_the_cpu_busy_share_of_each_window() -> None:
-    from plait.bench.crossover_report import markdown
+def test_compare_interleaves_repeats_and_takes_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synthetic step times through `compare`: every repeat runs each job alone then each
+    mode, and each figure is the median over repeats of rates normalised per repeat."""
+    from plait.bench import colocate
 
-    def mode(speedup: float, busy: float | None) -> dict[str, object]:
-        return {"speedup_vs_sequential": speedup, "slowdown_vs_alone": [1.5, 1.5],
-                "fairness": 1.0, "cpu_busy": busy}  # fmt: skip
+    calls: list[tuple[str, int, object]] = []
 
-    rec = {
-        "jobs": ["job0:a/ssgd", "job1:b/ssgd"], "bandwidth": "balanced", "rate": "1gbit",
-        "alone_step_s": [1.0, 1.0], "ideal_speedup": 2.0, "alone_cpu_busy": [0.61, None],
-        "modes": {"uncoordinated": mode(1.2, 0.874), "crossover": mode(1.5, 0.9)},
-    }  # fmt: skip
-    row = markdown([rec]).splitlines()[2]
-    assert row.endswith("| 61%, - / 87% / 90% |")
-    assert row.count("|") == markdown([rec]).splitlines()[0].count("|")
+    def fake_runs(
+        cluster: object, jobs: list[Job], *, mode: Mode, steps: object, **kw: object
+    ) -> list[JobRun]:
+        rep = sum(1 for c in calls if c[0] == "crossover" and c[1] == 2)
+        calls.append((str(mode), len(jobs), steps))
+        # alone: job0 1 step/s (2 in repeat 1), job1 0.5 step/s; co-located: half each
+        out = []
+        for job in jobs:
+            fast = 1.0 if job.name.startswith("job0") else 0.5
+            if len(jobs) == 1 and rep == 1 and fast == 1.0:
+                fast = 2.0
+            rate = fast if len(jobs) == 1 else fast / 2
+            ends = [i / rate for i in range(41)]
+            token = {"hold_s": 4.0, "acquisitions": 8} if len(jobs) == 1 else None
+            out.append(
+                JobRun(
+                    job=job.name,
+                    mode=mode,
+                    ok=True,
+                    elapsed_s=40.0,
+                    step_end_unix=ends,
+                    token=token,
+                )
+            )
+        return out
+
+    class Busy:
+        def __enter__(self) -> Busy:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def busy(self, start: float, end: float) -> float:
+            return 0.5
+
+    monkeypatch.setattr(colocate, "_run_jobs", fake_runs)
+    monkeypatch.setattr(colocate, "CpuSampler", Busy)
+    cluster: Any = SimpleNamespace(cid="c", network=SimpleNamespace(bandwidth="slow", rate="1mbit"))
+    comp = colocate.compare(
+        cluster,
+        ["mlp/ssgd", "gpt/ssgd"],
+        steps=10,
+        warmup=1,
+        repeats=2,
+        progress=False,
+    )
+    order = [(m, n) for m, n, _ in calls]
+    one_repeat = [("crossover", 1), ("crossover", 1), ("uncoordinated", 2), ("crossover", 2)]
+    assert order == one_repeat * 2
+    assert calls[2][2] == [20, 10]  # the faster job runs twice the steps (first repeat)
+    assert comp.alone_steps_per_s == pytest.approx([1.5, 0.5])  # medians of (1, 2), (0.5, 0.5)
+    assert comp.compute_s == [0.5, 0.5]
+    assert comp.alone_cpu_busy == [0.5, 0.5]
+    xo = comp.modes["crossover"]
+    # repeat 0: 0.5/1 + 0.25/0.5 = 1.0; repeat 1: 0.5/2 + 0.25/0.5 = 0.75
+    assert xo.speedup_runs == pytest.approx([1.0, 0.75])
+    assert xo.speedup_vs_sequential == pytest.approx(0.875)
+    assert xo.normalised == pytest.approx([0.375, 0.5])
+    assert xo.steps_per_s == pytest.approx([0.5, 0.25]) and xo.cpu_busy == 0.5
+    assert comp.to_dict()["modes"]["crossover"]["fairness"] == pytest.approx(
+        jain_index([0.375, 0.5])
+    )

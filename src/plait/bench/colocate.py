@@ -28,14 +28,15 @@ import statistics
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from plait.bench.core import CpuSampler, Turn, run_rounds
 from plait.bench.crossover_report import plot_interleaving
+from plait.bench.records import Comparison, ModeResult
 from plait.cluster import Cluster, LaunchResult, launch
-from plait.cpu import CpuSampler
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
 
@@ -276,42 +277,6 @@ def alone_rate(run: JobRun, *, warmup: int) -> float:
     return (len(t) - 1 - warmup) / (t[-1] - t[warmup])
 
 
-@dataclass(kw_only=True)
-class Comparison:
-    """Sequential vs uncoordinated vs crossover for one set of jobs at one network setting."""
-
-    jobs: list[str]
-    bandwidth: str
-    rate: str
-    steps: int
-    warmup: int
-    repeats: int
-    alone_steps_per_s: list[float]
-    alone_step_s: list[float]
-    compute_s: list[float]
-    co_located_steps: list[int] = field(default_factory=list)
-    alone_cpu_busy: list[float | None] = field(default_factory=list)
-    modes: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def ideal_speedup(self) -> float:
-        """Normalised throughput of a perfect crossover, from the jobs' measured compute c
-        (token hold time alone) and communication m (the rest of a step alone).
-
-        Jobs take turns: while job i computes, job i-1 communicates, so a cycle in which
-        every job does one step lasts sum_i max(c_i, m_(i-1)); for two jobs that is the
-        ideal max(cA, mB) + max(cB, mA) against cA + mA + cB + mB one after another.
-        """
-        c = self.compute_s
-        m = [max(0.0, s - ci) for s, ci in zip(self.alone_step_s, c, strict=True)]
-        cycle = sum(max(c[i], m[i - 1]) for i in range(len(c)))
-        return sum((ci + mi) / cycle for ci, mi in zip(c, m, strict=True))
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ideal_speedup"] = self.ideal_speedup()
-        return d
-
-
 def balanced_steps(steps: int, step_s: list[float]) -> list[int]:
     """Steps per co-located job so that all run about as long as the slowest one's `steps`.
 
@@ -397,39 +362,48 @@ def _compare(
             _check(r)
         return runs, cpu.busy(*common_window(runs, warmup=warmup))
 
+    # the contestants of the interleaved rounds (`plait.bench.core`): every job alone,
+    # then every mode; a round is one repeat
+    contestants: list[tuple[Mode, int]] = [(Mode.ALONE, i) for i in range(len(jobs))]
+    contestants += [(mode, -1) for mode in modes]
     co_steps: list[int] = []
-    alone_rates: list[list[float]] = [[] for _ in jobs]
-    alone_busy: list[list[float]] = [[] for _ in jobs]
-    computes: list[list[float]] = [[] for _ in jobs]
-    co: dict[Mode, list[tuple[list[float], float, list[Any], float | None]]] = {
-        m: [] for m in modes
-    }
-    total = repeats * (len(jobs) + len(modes))
+    first_rates: list[float] = []
     done = 0
-    for rep in range(repeats):
-        for i, job in enumerate(jobs):
+
+    def measure(turn: Turn[tuple[Mode, int]]) -> _Alone | _CoLocated:
+        nonlocal co_steps, done
+        mode, i = turn.contestant
+        done += 1
+        if mode is Mode.ALONE:
             if progress:
-                done += 1
-                print(f"  [{done}/{total}] {job.name} alone", flush=True)
+                print(f"  [{done}/{total}] {jobs[i].name} alone", flush=True)
             # alone but gated: the token is never contended, its hold time is the compute
-            (solo,), busy = run([job], Mode.CROSSOVER, steps, f"{group}-solo{i}")
-            alone_rates[i].append(alone_rate(solo, warmup=warmup))
-            if busy is not None:
-                alone_busy[i].append(busy)
+            (solo,), busy = run([jobs[i]], Mode.CROSSOVER, steps, f"{group}-solo{i}")
+            compute = None
             if solo.token:
-                computes[i].append(solo.token["hold_s"] / max(1, solo.token["acquisitions"]))
+                compute = solo.token["hold_s"] / max(1, solo.token["acquisitions"])
+            rate = alone_rate(solo, warmup=warmup)
+            if turn.round == 0:
+                first_rates.append(rate)
+            return _Alone(rate=rate, busy=busy, compute_s=compute)
         if not co_steps:  # a fast job runs more steps, so all overlap past warm-up
-            co_steps = balanced_steps(steps, [1 / r[0] for r in alone_rates])
-        for mode in modes:
-            if progress:
-                done += 1
-                print(f"  [{done}/{total}] {len(jobs)} jobs {mode}", flush=True)
-            mode_trace = None
-            if trace is not None and rep == 0:
-                mode_trace = trace.with_name(f"{trace.stem}-{mode}.json")
-            runs, busy = run(jobs, mode, co_steps, group, mode_trace)
-            rates, window = window_rates(runs, warmup=warmup)
-            co[mode].append((rates, window, [r.token for r in runs], busy))
+            co_steps = balanced_steps(steps, [1 / r for r in first_rates])
+        if progress:
+            print(f"  [{done}/{total}] {len(jobs)} jobs {mode}", flush=True)
+        mode_trace = None
+        if trace is not None and turn.round == 0:
+            mode_trace = trace.with_name(f"{trace.stem}-{mode}.json")
+        runs, busy = run(jobs, mode, co_steps, group, mode_trace)
+        rates, window = window_rates(runs, warmup=warmup)
+        return _CoLocated(rates=rates, window_s=window, tokens=[r.token for r in runs], busy=busy)
+
+    total = repeats * len(contestants)
+    kept = run_rounds(contestants, measure, rounds=repeats)
+    alone = [[_as(_Alone, x) for x in kept[Mode.ALONE, i]] for i in range(len(jobs))]
+    alone_rates = [[x.rate for x in a] for a in alone]
+    alone_busy = [[x.busy for x in a if x.busy is not None] for a in alone]
+    computes = [[x.compute_s for x in a if x.compute_s is not None] for a in alone]
+    co = {mode: [_as(_CoLocated, x) for x in kept[mode, -1]] for mode in modes}
     rates = [statistics.median(r) for r in alone_rates]
     comp = Comparison(
         jobs=[j.name for j in jobs],
@@ -447,24 +421,51 @@ def _compare(
     for mode, reps in co.items():
         # per repeat, normalise by the same repeat's alone rates, then take medians
         norms = [
-            [c / alone_rates[i][k] for i, c in enumerate(rates_k)]
-            for k, (rates_k, _, _, _) in enumerate(reps)
+            [c / alone_rates[i][k] for i, c in enumerate(rep.rates)] for k, rep in enumerate(reps)
         ]
-        busy_runs = [r[3] for r in reps if r[3] is not None]
+        busy_runs = [r.busy for r in reps if r.busy is not None]
         speedups = [sum(n) for n in norms]
         norm = [statistics.median(n[i] for n in norms) for i in range(len(jobs))]
-        comp.modes[mode.value] = {
-            "steps_per_s": [statistics.median(r[0][i] for r in reps) for i in range(len(jobs))],
-            "normalised": norm,
-            "speedup_vs_sequential": statistics.median(speedups),
-            "speedup_runs": speedups,
-            "slowdown_vs_alone": [1 / n for n in norm],
-            "window_s": statistics.median(r[1] for r in reps),
-            "token": reps[-1][2],
-            "fairness": jain_index(norm),
-            "cpu_busy": statistics.median(busy_runs) if busy_runs else None,
-        }
+        comp.modes[mode.value] = ModeResult(
+            steps_per_s=[statistics.median(r.rates[i] for r in reps) for i in range(len(jobs))],
+            normalised=norm,
+            speedup_vs_sequential=statistics.median(speedups),
+            speedup_runs=speedups,
+            slowdown_vs_alone=[1 / n for n in norm],
+            window_s=statistics.median(r.window_s for r in reps),
+            token=reps[-1].tokens,
+            fairness=jain_index(norm),
+            cpu_busy=statistics.median(busy_runs) if busy_runs else None,
+        )
     return comp
+
+
+@dataclass(frozen=True)
+class _Alone:
+    """One job's turn alone: its rate past warm-up, the host's CPU busy share, and its
+    compute per step (token hold time; None where the job reported no token)."""
+
+    rate: float
+    busy: float | None
+    compute_s: float | None
+
+
+@dataclass(frozen=True)
+class _CoLocated:
+    """One mode's turn: each job's rate in the common window, the window, the tokens."""
+
+    rates: list[float]
+    window_s: float
+    tokens: list[dict[str, float] | None]
+    busy: float | None
+
+
+_T = TypeVar("_T")
+
+
+def _as(kind: type[_T], sample: object) -> _T:
+    assert isinstance(sample, kind), sample  # alone turns give _Alone, modes _CoLocated
+    return sample
 
 
 def _check(run: JobRun) -> None:

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.records import git_commit, machine, pyplot, save_figure
+from plait.bench.records import Comparison
+from plait.records import git_commit, machine, pyplot, save_figure, write_report
+
+#: Typed comparisons, or their JSON objects (a results.json read back).
+Records = Sequence[Comparison | Mapping[str, Any]]
 
 
-def markdown(records: list[dict[str, Any]]) -> str:
+def typed(records: Records) -> list[Comparison]:
+    """`records` as `Comparison`s (JSON objects are converted, so older files render)."""
+    return [r if isinstance(r, Comparison) else Comparison.from_dict(r) for r in records]
+
+
+def markdown(records: Records) -> str:
+    """One row per comparison: speed-ups over sequential, the ideal, fairness, CPU busy."""
     head = (
         "| jobs | bandwidth (rate) | alone step s | uncoordinated x seq | crossover x seq | "
         "crossover x uncoord | ideal x seq | crossover slowdown per job | fairness | "
@@ -17,52 +29,51 @@ def markdown(records: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
-    for r in records:
-        un, xo = r["modes"].get("uncoordinated"), r["modes"]["crossover"]
-        un_s = f"{un['speedup_vs_sequential']:.2f}" if un else "-"
-        vs = f"{xo['speedup_vs_sequential'] / un['speedup_vs_sequential']:.2f}" if un else "-"
+    for r in typed(records):
+        un, xo = r.modes.get("uncoordinated"), r.modes["crossover"]
+        un_s = f"{un.speedup_vs_sequential:.2f}" if un else "-"
+        vs = f"{xo.speedup_vs_sequential / un.speedup_vs_sequential:.2f}" if un else "-"
         rows.append(
-            f"| {' + '.join(j.split(':', 1)[1] for j in r['jobs'])} | {r['bandwidth']} "
-            f"({r['rate'] or 'unshaped'}) | {', '.join(f'{s:.2f}' for s in r['alone_step_s'])} | "
-            f"{un_s} | {xo['speedup_vs_sequential']:.2f} | {vs} | {r['ideal_speedup']:.2f} | "
-            f"{', '.join(f'{s:.2f}x' for s in xo['slowdown_vs_alone'])} | {xo['fairness']:.2f} | "
+            f"| {' + '.join(j.split(':', 1)[1] for j in r.jobs)} | {r.bandwidth} "
+            f"({r.rate or 'unshaped'}) | {', '.join(f'{s:.2f}' for s in r.alone_step_s)} | "
+            f"{un_s} | {xo.speedup_vs_sequential:.2f} | {vs} | {r.ideal_speedup():.2f} | "
+            f"{', '.join(f'{s:.2f}x' for s in xo.slowdown_vs_alone)} | {xo.fairness:.2f} | "
             f"{_busy(r)} |"
         )
     return head + "\n".join(rows) + "\n"
 
 
-def _busy(record: dict[str, Any]) -> str:
+def _busy(record: Comparison) -> str:
     """Host CPU busy fractions inside each measuring window ('-' where not sampled)."""
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f}%"
 
-    alone = ", ".join(pct(b) for b in record.get("alone_cpu_busy", [])) or "-"
-    modes = record["modes"]
-    un = pct(modes["uncoordinated"].get("cpu_busy")) if "uncoordinated" in modes else "-"
-    return f"{alone} / {un} / {pct(modes['crossover'].get('cpu_busy'))}"
+    alone = ", ".join(pct(b) for b in record.alone_cpu_busy or []) or "-"
+    modes = record.modes
+    un = pct(modes["uncoordinated"].cpu_busy) if "uncoordinated" in modes else "-"
+    return f"{alone} / {un} / {pct(modes['crossover'].cpu_busy)}"
 
 
-def write(records: list[dict[str, Any]], out: Path, *, command: str) -> dict[str, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": git_commit(), "command": command, "machine": machine()}
-    stamped = [{**r, **meta} for r in records]
-    paths = {
-        "json": out / "results.json",
-        "markdown": out / "results.md",
-        "png": out / "results.png",
-    }
-    paths["json"].write_text(json.dumps(stamped, indent=2))
-    paths["markdown"].write_text(
-        f"# Crossover results\n\nCommand: `{command}`\n\n"
-        + markdown(records)
-        + f"\ncommit {meta['commit']}\n"
+def write(records: Records, out: Path, *, command: str) -> dict[str, Path]:
+    """results.json (the comparisons with commit, command and machine), results.md and a
+    bar chart of the speed-ups in `out`."""
+    recs = typed(records)
+    # provenance without torch's version, as crossover results have always been written
+    commit, mach = git_commit(), machine()
+    stamped = [dataclasses.replace(r, commit=commit, command=command, machine=mach) for r in recs]
+    return write_report(
+        out,
+        stamped,
+        title="Crossover results",
+        command=command,
+        body=markdown(recs),
+        footer=f"\ncommit {commit}\n",
+        plot=lambda path: _plot(recs, path),
     )
-    _plot(records, paths["png"])
-    return paths
 
 
-def _plot(records: list[dict[str, Any]], path: Path) -> None:
+def _plot(records: list[Comparison], path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(max(5, 2.2 * len(records)), 4))
@@ -70,9 +81,9 @@ def _plot(records: list[dict[str, Any]], path: Path) -> None:
     colors = ["#999999", "#dd8452", "#4c72b0", "#55a868"]
     width = 0.2
     for k, rec in enumerate(records):
-        un = rec["modes"].get("uncoordinated")
-        xo = rec["modes"]["crossover"]["speedup_vs_sequential"]
-        vals = [1.0, un["speedup_vs_sequential"] if un else 0.0, xo, rec["ideal_speedup"]]
+        un = rec.modes.get("uncoordinated")
+        xo = rec.modes["crossover"].speedup_vs_sequential
+        vals = [1.0, un.speedup_vs_sequential if un else 0.0, xo, rec.ideal_speedup()]
         for j, v in enumerate(vals):
             ax.bar(
                 k + (j - 1.5) * width,
@@ -83,7 +94,7 @@ def _plot(records: list[dict[str, Any]], path: Path) -> None:
             )
     ax.set_xticks(range(len(records)))
     ax.set_xticklabels(
-        [f"{len(r['jobs'])} jobs @ {r['bandwidth']}" for r in records], rotation=20, ha="right"
+        [f"{len(r.jobs)} jobs @ {r.bandwidth}" for r in records], rotation=20, ha="right"
     )
     ax.set_ylabel("aggregate throughput / sequential")
     ax.axhline(1.0, color="black", linewidth=0.5)

@@ -24,12 +24,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import statistics
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import distributed as pdist
+from plait.bench.core import Stats, Stopwatch, Turn, run_rounds
+from plait.bench.records import BenchRecord
 from plait.comm import AlphaBeta
 from plait.comm import stats as comm_stats
 from plait.comm.probe import probe_allreduce
+from plait.records import write_json
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.loop import seed_everything
 from plait.train.strategy import Strategy, make_strategy
@@ -78,20 +80,25 @@ class _Runner:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     local_batch: int
-    iter_s: list[float] = field(default_factory=list)
-    compute_s: list[float] = field(default_factory=list)
-    payload: list[int] = field(default_factory=list)
-    wire: list[float] = field(default_factory=list)
-    comm_lb: list[float] = field(default_factory=list)
-    nic: list[int] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)
-    compute_cpu_s: list[float] = field(default_factory=list)
 
 
-def _process_cpu_s() -> float:
-    """CPU seconds (user + system) used so far by every thread of this process."""
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return use.ru_utime + use.ru_stime
+class Phase(StrEnum):
+    """The two turns a strategy gets per round."""
+
+    STEP = "step"  # the synchronous step: compute and communication
+    COMPUTE = "compute-only"  # `no_sync`, learning rate zero: compute alone
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """What one rank measured in one turn."""
+
+    wall_s: float
+    cpu_s: float
+    payload_bytes: int = 0  # collective payloads this rank sent
+    wire_bytes: float = 0.0  # their modelled ring traffic
+    comm_lb_s: float | None = None  # the collectives under the probed alpha-beta model
+    nic_bytes: int | None = None  # bytes counted on the node's link (emulated cluster)
 
 
 def _nic_tx_bytes() -> int | None:
@@ -141,10 +148,15 @@ def _round_batch(
     return x_all[start : start + size].to(device), y_all[start : start + size].to(device)
 
 
-def run_benchmark(spec: BenchSpec) -> list[dict[str, Any]]:
-    """Run `spec` on the current process group; every rank returns the records."""
+def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
+    """Run `spec` on the current process group; every rank returns the records.
+
+    The contestants of the interleaved rounds (`plait.bench.core`) are every strategy's
+    synchronous step, then every strategy's compute-only step, so a round runs
+    A B ... then A B ... compute-only.
+    """
     wl = get_workload(spec.workload)
-    world, rank = pdist.world_size(), pdist.rank()
+    world = pdist.world_size()
     batch = spec.batch_size or wl.bench_batch
     # 4 rounds of the global batch: strategies that shard more than the data (n-D plans)
     # give each data-parallel replica world x batch / replicas samples
@@ -175,63 +187,68 @@ def run_benchmark(spec: BenchSpec) -> list[dict[str, Any]]:
         local = batch * world // strategy.data_parallel_size()
         runners.append(_Runner(spec=s, strategy=strategy, model=model, optimizer=opt,
                                local_batch=local))  # fmt: skip
-    rounds = spec.warmup + spec.steps
+
+    def measure(turn: Turn[tuple[int, Phase]]) -> StepSample:
+        index, phase = turn.contestant
+        r = runners[index]
+        x, y = _round_batch(x_all, y_all, turn.round, r.local_batch, device)
+        pdist.barrier()
+        if phase is Phase.COMPUTE:
+            with Stopwatch() as sw, r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
+                _step(r, x, y, wl.loss, phase=phase.value)
+            return StepSample(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
+        tx0 = _nic_tx_bytes()
+        with comm_stats.window() as recs, Stopwatch() as sw:
+            _step(r, x, y, wl.loss)
+        tx1 = _nic_tx_bytes()
+        return StepSample(
+            wall_s=sw.wall_s,
+            cpu_s=sw.cpu_s,
+            payload_bytes=sum(c.nbytes for c in recs),
+            wire_bytes=sum(c.wire_bytes for c in recs),
+            comm_lb_s=None if model_ab is None else model_ab.total(recs),
+            nic_bytes=None if tx0 is None or tx1 is None else tx1 - tx0,
+        )
+
+    contestants = [(i, phase) for phase in Phase for i in range(len(runners))]
     bar = None
-    if rank == 0:
+    if pdist.rank() == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=rounds * len(runners) * 2, desc=f"bench {spec.workload} {spec.bandwidth}",
-                   unit="step", file=sys.stdout, mininterval=1.0)  # fmt: skip
-    for rnd in range(rounds):
-        keep = rnd >= spec.warmup
-        for r in runners:
-            x, y = _round_batch(x_all, y_all, rnd, r.local_batch, device)
-            pdist.barrier()
-            tx0 = _nic_tx_bytes()
-            with comm_stats.window() as recs:
-                c0 = _process_cpu_s()
-                t0 = time.perf_counter()
-                _step(r, x, y, wl.loss)
-                dt = time.perf_counter() - t0
-                dc = _process_cpu_s() - c0
-            tx1 = _nic_tx_bytes()
-            if keep:
-                r.iter_s.append(dt)
-                r.cpu_s.append(dc)
-                r.payload.append(sum(c.nbytes for c in recs))
-                r.wire.append(sum(c.wire_bytes for c in recs))
-                if model_ab is not None:
-                    r.comm_lb.append(model_ab.total(recs))
-                if tx0 is not None and tx1 is not None:
-                    r.nic.append(tx1 - tx0)
-            if bar is not None:
-                bar.update(1)
-        for r in runners:
-            x, y = _round_batch(x_all, y_all, rnd, r.local_batch, device)
-            pdist.barrier()
-            c0 = _process_cpu_s()
-            t0 = time.perf_counter()
-            with r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
-                _step(r, x, y, wl.loss, phase="compute-only")
-            dt = time.perf_counter() - t0
-            dc = _process_cpu_s() - c0
-            if keep:
-                r.compute_s.append(dt)
-                r.compute_cpu_s.append(dc)
-            if bar is not None:
-                bar.update(1)
+        bar = tqdm(
+            total=(spec.warmup + spec.steps) * len(contestants),
+            desc=f"bench {spec.workload} {spec.bandwidth}",
+            unit="step",
+            file=sys.stdout,
+            mininterval=1.0,
+        )
+    kept = run_rounds(
+        contestants,
+        measure,
+        rounds=spec.steps,
+        warmup=spec.warmup,
+        after_turn=None if bar is None else lambda turn, sample: bar.update(1),
+    )
     if bar is not None:
         bar.close()
     if spec.trace:
         tracer.save(spec.trace)
+    probed = None if probe is None else probe.to_dict()
     records = [
-        _summarise(r, spec=spec, world=world, batch=batch, n_params=n_params) for r in runners
+        _summarise(
+            r,
+            kept[i, Phase.STEP],
+            kept[i, Phase.COMPUTE],
+            spec=spec,
+            world=world,
+            batch=batch,
+            n_params=n_params,
+            probe=probed,
+        )
+        for i, r in enumerate(runners)
     ]
     for r in runners:
         r.strategy.close()
-    if probe is not None:
-        for rec in records:
-            rec["probe"] = probe.to_dict()
     return records
 
 
@@ -253,55 +270,112 @@ def _mean_over_ranks(values: list[float]) -> list[float]:
 
 
 def _summarise(
-    r: _Runner, *, spec: BenchSpec, world: int, batch: int, n_params: int
-) -> dict[str, Any]:
-    it = _slowest(r.iter_s)
-    comp = _slowest(r.compute_s)
-    nic = _mean_over_ranks([float(v) for v in r.nic]) if r.nic else []
-    cpu = _mean_over_ranks(r.cpu_s)
-    comp_cpu = _mean_over_ranks(r.compute_cpu_s)
-    has_nic = torch.tensor([1 if r.nic else 0])
+    r: _Runner,
+    steps: list[StepSample],
+    compute: list[StepSample],
+    *,
+    spec: BenchSpec,
+    world: int,
+    batch: int,
+    n_params: int,
+    probe: dict[str, Any] | None,
+) -> BenchRecord:
+    """Reduce this rank's samples over ranks (collective) and summarise them."""
+    nic_own = [s.nic_bytes for s in steps]
+    measured_nic = bool(nic_own) and all(v is not None for v in nic_own)
+    has_nic = torch.tensor([1 if measured_nic else 0])
     if dist.is_initialized() and world > 1:
         dist.all_reduce(has_nic, op=dist.ReduceOp.MIN)
-    iter_med = statistics.median(it)
-    comp_med = statistics.median(comp)
-    lb = statistics.median(r.comm_lb) if r.comm_lb else 0.0
+    nic = _mean_over_ranks([float(v) for v in nic_own if v is not None]) if measured_nic else []
+    return bench_record(
+        workload=spec.workload,
+        strategy_spec=r.spec,
+        strategy_desc=r.strategy.describe(),
+        world=world,
+        bandwidth=spec.bandwidth,
+        rate=spec.rate,
+        batch=batch,
+        params=n_params,
+        warmup=spec.warmup,
+        iter_s=_slowest([s.wall_s for s in steps]),
+        compute_s=_slowest([s.wall_s for s in compute]),
+        cpu_s=_mean_over_ranks([s.cpu_s for s in steps]),
+        compute_cpu_s=_mean_over_ranks([s.cpu_s for s in compute]),
+        payload=[s.payload_bytes for s in steps],
+        wire=[s.wire_bytes for s in steps],
+        comm_lb=[s.comm_lb_s for s in steps if s.comm_lb_s is not None],
+        nic=nic if int(has_nic) else [],
+        probe=probe,
+    )
+
+
+def bench_record(
+    *,
+    workload: str,
+    strategy_spec: str,
+    strategy_desc: str,
+    world: int,
+    bandwidth: str,
+    rate: str,
+    batch: int,
+    params: int,
+    warmup: int,
+    iter_s: list[float],
+    compute_s: list[float],
+    cpu_s: list[float],
+    compute_cpu_s: list[float],
+    payload: list[int],
+    wire: list[float],
+    comm_lb: list[float],
+    nic: list[float],
+    probe: dict[str, Any] | None = None,
+    threads: int | None = None,
+) -> BenchRecord:
+    """The record of one strategy from its per-round figures, already reduced over ranks
+    (step times: the slowest rank's; CPU and link bytes: the mean over ranks).
+
+    Pure: the statistics of the harness without a process group, so they are tested on
+    synthetic timings.
+    """
+    it, comp = Stats.of(iter_s), Stats.of(compute_s)
+    lb = statistics.median(comm_lb) if comm_lb else 0.0
     nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    rec: dict[str, Any] = {
-        "workload": spec.workload,
-        "strategy": spec_name(r.spec),
-        "strategy_spec": r.spec,
-        "strategy_desc": r.strategy.describe(),
-        "nodes": int(os.environ.get("PLAIT_NODES", str(world))),
-        "nproc_per_node": nproc,
-        "world_size": world,
-        "bandwidth": spec.bandwidth,
-        "rate": spec.rate,
-        "batch_size": batch,
-        "params": n_params,
-        "steps": spec.steps,
-        "warmup": spec.warmup,
-        "iter_time_s": iter_med,
-        "iter_time_min_s": min(it),
-        "iter_time_max_s": max(it),
-        "iter_time_mean_s": statistics.mean(it),
-        "iter_times_s": it,
-        "compute_time_s": comp_med,
-        "compute_times_s": comp,
-        "comm_lower_bound_s": lb,
-        "overlap_efficiency": max(comp_med, lb) / iter_med,
-        "cpu_time_s": statistics.median(cpu),
-        "compute_cpu_time_s": statistics.median(comp_cpu),
-        "payload_bytes_per_step": statistics.median(r.payload) if r.payload else 0,
-        "bytes_per_step": statistics.median(r.wire) if r.wire else 0.0,
-        "nic_bytes_per_step": (statistics.median(nic) / nproc) if nic and int(has_nic) else None,
-        "samples_per_s": world * batch / iter_med,
-        "threads": torch.get_num_threads(),
-    }
-    return rec
+    return BenchRecord(
+        workload=workload,
+        strategy=spec_name(strategy_spec),
+        strategy_spec=strategy_spec,
+        strategy_desc=strategy_desc,
+        nodes=int(os.environ.get("PLAIT_NODES", str(world))),
+        nproc_per_node=nproc,
+        world_size=world,
+        bandwidth=bandwidth,
+        rate=rate,
+        batch_size=batch,
+        params=params,
+        steps=it.n,
+        warmup=warmup,
+        iter_time_s=it.median,
+        iter_time_min_s=it.min,
+        iter_time_max_s=it.max,
+        iter_time_mean_s=it.mean,
+        iter_times_s=list(iter_s),
+        compute_time_s=comp.median,
+        compute_times_s=list(compute_s),
+        comm_lower_bound_s=lb,
+        overlap_efficiency=max(comp.median, lb) / it.median,
+        cpu_time_s=statistics.median(cpu_s),
+        compute_cpu_time_s=statistics.median(compute_cpu_s),
+        payload_bytes_per_step=statistics.median(payload) if payload else 0,
+        bytes_per_step=statistics.median(wire) if wire else 0.0,
+        nic_bytes_per_step=(statistics.median(nic) / nproc) if nic else None,
+        samples_per_s=world * batch / it.median,
+        threads=torch.get_num_threads() if threads is None else threads,
+        probe=probe,
+    )
 
 
 def spec_name(spec: str) -> str:
+    """The strategy's name: ``acpsgd`` of ``acpsgd:rank=4``."""
     return spec.partition(":")[0]
 
 
@@ -317,13 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         records = run_benchmark(spec)
         if pdist.is_main():
-            Path(args[1]).write_text(json.dumps(records, indent=2))
+            write_json(records, Path(args[1]), indent=2)
     finally:
         pdist.shutdown()
     return 0
 
 
 def spec_to_json(spec: BenchSpec) -> str:
+    """The spec as the JSON file `main` reads."""
     return json.dumps(asdict(spec))
 
 

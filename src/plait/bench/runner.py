@@ -6,15 +6,16 @@ All strategies of one (workload, bandwidth) run in the same distributed job, int
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from plait._proc import keep_scratch, scratch_dir
 from plait.bench.harness import BenchSpec
+from plait.bench.records import BenchRecord
 from plait.bench.report import write_reports
 from plait.cluster import Cluster, NetworkSpec, launch
 from plait.records import stamp
@@ -38,7 +39,7 @@ def run_bench(
     timeout_s: float = 3 * 3600,
     command: str | None = None,
     cluster: Cluster | None = None,
-) -> list[dict[str, Any]]:
+) -> list[BenchRecord]:
     """Run the benchmark grid and write reports to `out`; return the records.
 
     A `cluster` that is already up is reused (and reshaped); otherwise one is built and torn
@@ -55,7 +56,7 @@ def run_bench(
         bench_model = wl.model(wl.bench_data(8).info, bench=True)
         for s in strategies:
             make_strategy(s).check(bench_model, world=nodes * nproc_per_node)
-    records: list[dict[str, Any]] = []
+    records: list[BenchRecord] = []
     work = scratch_dir("plait-bench-")
     owned = cluster is None
     if cluster is None:
@@ -97,9 +98,10 @@ def run_bench(
                         f"benchmark job {w} at {net.describe()} failed "
                         f"(exit codes {result.returncodes}{why})"
                     )
-                recs = json.loads(res_path.read_text())
-                for r in recs:
-                    r["latency"], r["loss"] = latency, loss
+                recs = [
+                    dataclasses.replace(BenchRecord.from_dict(r), latency=latency, loss=loss)
+                    for r in json.loads(res_path.read_text())
+                ]
                 records += stamp(recs, command=command)
                 if out is not None:  # keep partial results of long grids
                     write_reports(records, out)

@@ -15,10 +15,10 @@ def test_every_strategy_measures_and_reports(tmp_path: Path) -> None:
     cfg = BenchConfig(models=("cnn",), sizes=(2,), strategies=tuple(Strategy), steps=1,
                       rounds=2, warmup=1, batch_size=4)  # fmt: skip
     records = run_bench_fused(cfg)
-    assert {r["strategy"] for r in records} == {s.value for s in Strategy}
+    assert {r.strategy for r in records} == {s.value for s in Strategy}
     for r in records:
-        assert r["n"] == 2 and r["bandwidth"] == "n2" and r["threads"] == 1
-        assert 0 < r["iter_time_min_s"] <= r["iter_time_s"] <= r["iter_time_max_s"]  # type: ignore[operator]
+        assert r.n == 2 and r.bandwidth == "n2" and r.threads == 1
+        assert 0 < r.iter_time_min_s <= r.iter_time_s <= r.iter_time_max_s
     paths = write_reports(records, tmp_path)
     saved = json.loads(paths["json"].read_text())
     assert saved[0]["commit"] and saved[0]["machine"]["cpus"]
@@ -32,29 +32,27 @@ def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> Non
     cfg = BenchConfig(models=("mlp",), sizes=(2,), strategies=(Strategy.FUSED, Strategy.SERIAL),
                       steps=1, rounds=2, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
     records = run_bench_fused(cfg)
-    assert sorted((r["strategy"], r["threads"]) for r in records) == [
+    assert sorted((r.strategy, r.threads) for r in records) == [
         ("fused", 1),
         ("fused", 2),
         ("serial", 1),
         ("serial", 2),
     ]
     for r in records:  # speed-ups compare thread for thread
-        serial = next(
-            s for s in records if s["strategy"] == "serial" and s["threads"] == r["threads"]
-        )
-        assert r["speedup_vs_serial"] == pytest.approx(serial["iter_time_s"] / r["iter_time_s"])
+        serial = next(s for s in records if s.strategy == "serial" and s.threads == r.threads)
+        assert r.speedup_vs_serial == pytest.approx(serial.iter_time_s / r.iter_time_s)
     table = markdown_table(records)
-    best = {s: min((r for r in records if r["strategy"] == s), key=lambda r: r["iter_time_s"])
+    best = {s: min((r for r in records if r.strategy == s), key=lambda r: r.iter_time_s)
             for s in ("fused", "serial")}  # fmt: skip
     # The whole-machine records (each strategy at its fastest count) lead the JSON.
-    assert [r["fastest_threads"] for r in records] == [True, True, False, False]
-    assert {r["strategy"]: r for r in records[:2]} == best
+    assert [r.fastest_threads for r in records] == [True, True, False, False]
+    assert {r.strategy: r for r in records[:2]} == best
     for r in records:
-        ratio_best = best["serial"]["iter_time_s"] / r["iter_time_s"]
-        assert r["speedup_vs_fastest_serial"] == pytest.approx(ratio_best)
+        ratio_best = best["serial"].iter_time_s / r.iter_time_s
+        assert r.speedup_vs_fastest_serial == pytest.approx(ratio_best)
     row = table.split("fastest thread count")[1].splitlines()[4]
-    ratio = best["serial"]["iter_time_s"] / best["fused"]["iter_time_s"]
-    assert f"@ {best['fused']['threads']}" in row and f"{ratio:.2f}x" in row
+    ratio = best["serial"].iter_time_s / best["fused"].iter_time_s
+    assert f"@ {best['fused'].threads}" in row and f"{ratio:.2f}x" in row
 
 
 def test_concurrent_processes_never_oversubscribe_the_cpus(
@@ -65,7 +63,7 @@ def test_concurrent_processes_never_oversubscribe_the_cpus(
     monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
     cfg = BenchConfig(models=("mlp",), sizes=(1, 2), strategies=(Strategy.CONCURRENT,),
                       steps=1, rounds=1, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
-    got = sorted((r["n"], r["threads"]) for r in run_bench_fused(cfg))
+    got = sorted((r.n, r.threads) for r in run_bench_fused(cfg))
     assert got == [(1, 1), (1, 2), (2, 1)]  # 2 processes x 2 threads > 2 CPUs: skipped
 
 
@@ -100,4 +98,4 @@ def test_stock_strategies_use_the_chosen_adam(adam: StockAdam) -> None:
     vmap.run(1)
     cfg = BenchConfig(models=("mlp",), sizes=(1,), strategies=(Strategy.SERIAL,), steps=1,
                       rounds=1, warmup=1, batch_size=4, stock_adam=adam)  # fmt: skip
-    assert run_bench_fused(cfg)[0]["stock_adam"] == adam.value
+    assert run_bench_fused(cfg)[0].stock_adam == adam.value

@@ -90,8 +90,8 @@ def test_auto_plan_in_the_loop(results: list[dict[str, Any]]) -> None:
 
 def test_harness_runs_plans(results: list[dict[str, Any]]) -> None:
     recs = results[0]["bench"]
-    assert [r["strategy_spec"] for r in recs] == ["ssgd", "plan:pp=2", "plan:dp=2,zero=3"]
-    assert all(r["iter_time_s"] > 0 and r["batch_size"] == 4 for r in recs)
+    assert [r.strategy_spec for r in recs] == ["ssgd", "plan:pp=2", "plan:dp=2,zero=3"]
+    assert all(r.iter_time_s > 0 and r.batch_size == 4 for r in recs)
 
 
 def test_plan_strategy_options() -> None:

@@ -21,7 +21,6 @@ judged on wall times; CPU times at one thread are clean only with `threads=(1,)`
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,8 +28,10 @@ import torch
 from tqdm import tqdm
 
 from plait._proc import usable_cpus
+from plait.bench.core import Order, Stats, Turn, run_rounds
 from plait.bench.fused.models import get_model
 from plait.bench.fused.strategies import Runner, StockAdam, Strategy, make_runner
+from plait.bench.records import FusedRecord
 from plait.fused import native
 from plait.fused.malloc import tune_malloc
 
@@ -82,7 +83,7 @@ class BenchConfig:
             raise ValueError(f"thread counts must be >= 1, got {tuple(self.threads)}")
 
 
-def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
+def run_bench_fused(cfg: BenchConfig) -> list[FusedRecord]:
     """One record per (model, N, strategy, thread count), with the median step time and
     throughput; per model and N, each strategy's record at its fastest thread count
     (`fastest_threads`) comes first, and `speedup_vs_fastest_serial` compares with the
@@ -91,7 +92,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
     native_before = native.set_enabled(cfg.native_kernels)
     uses_native = cfg.native_kernels and cfg.device == "cpu" and native.unavailable_reason() is None
     tuned = cfg.tune_malloc and tune_malloc()
-    records: list[dict[str, object]] = []
+    records: list[FusedRecord] = []
     try:
         total = len(cfg.models) * len(cfg.sizes)
         bar = tqdm(total=total, desc="bench-fused", unit="config")
@@ -101,32 +102,21 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
             params = sum(p.numel() for p in model.build().parameters())
             for n in cfg.sizes:
                 bar.set_postfix_str(f"{name} N={n}")
-                times, cpus = _measure(cfg, name, n, batch)
-                medians = {c: statistics.median(ts) for c, ts in times.items()}
-                fastest = _fastest(medians)
-                best_serial = fastest.get(Strategy.SERIAL)
-                config = []
-                for (strategy, threads), step in medians.items():
-                    cpu = statistics.median(cpus[strategy, threads])
-                    serial = medians.get((Strategy.SERIAL, threads))
-                    ts = times[strategy, threads]
-                    config.append({
-                        "workload": name, "model": model.description, "strategy": str(strategy),
-                        "n": n, "bandwidth": f"n{n}", "batch_size": batch, "params": params,
-                        "threads": threads, "device": cfg.device,
-                        "fastest_threads": fastest[strategy] == (strategy, threads),
-                        "iter_time_s": step, "iter_time_min_s": min(ts), "iter_time_max_s": max(ts),
-                        "throughput": n * batch / step, "cpu_time_s": cpu,
-                        "cpu_throughput": n * batch / cpu,
-                        "speedup_vs_serial": None if serial is None else serial / step,
-                        "speedup_vs_fastest_serial":
-                            None if best_serial is None else medians[best_serial] / step,
-                        "steps": cfg.steps, "rounds": cfg.rounds, "malloc_tuned": tuned,
-                        "stock_adam": cfg.stock_adam.value, "native_kernels": uses_native,
-                    })  # fmt: skip
+                samples = _measure(cfg, name, n, batch)
+                config = fused_records(
+                    samples,
+                    workload=name,
+                    model=model.description,
+                    n=n,
+                    batch=batch,
+                    params=params,
+                    cfg=cfg,
+                    malloc_tuned=tuned,
+                    native_kernels=uses_native,
+                )
                 # Each strategy's record at its fastest thread count comes first: that is
                 # the whole-machine comparison, which readers of the JSON meet first.
-                records += sorted(config, key=lambda r: not r["fastest_threads"])
+                records += sorted(config, key=lambda r: not r.fastest_threads)
                 bar.update(1)
         bar.close()
     finally:
@@ -138,6 +128,14 @@ def run_bench_fused(cfg: BenchConfig) -> list[dict[str, object]]:
 Contestant = tuple[Strategy, int]  # a strategy at an intra-op thread count
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One contestant's turn: wall and CPU seconds per step (all N models)."""
+
+    wall_s: float
+    cpu_s: float
+
+
 def _fastest(medians: dict[Contestant, float]) -> dict[Strategy, Contestant]:
     """Each strategy's contestant with the shortest median step."""
     out: dict[Strategy, Contestant] = {}
@@ -147,9 +145,62 @@ def _fastest(medians: dict[Contestant, float]) -> dict[Strategy, Contestant]:
     return out
 
 
-def _measure(
-    cfg: BenchConfig, name: str, n: int, batch: int
-) -> tuple[dict[Contestant, list[float]], dict[Contestant, list[float]]]:
+def fused_records(
+    samples: dict[Contestant, list[Sample]],
+    *,
+    workload: str,
+    model: str,
+    n: int,
+    batch: int,
+    params: int,
+    cfg: BenchConfig,
+    malloc_tuned: bool,
+    native_kernels: bool,
+) -> list[FusedRecord]:
+    """The records of one (model, N) from every contestant's per-round samples, in the
+    contestants' order; speed-ups compare medians with the serial strategy's at the same
+    thread count and at its own fastest one."""
+    medians = {c: Stats.of([s.wall_s for s in ss]).median for c, ss in samples.items()}
+    fastest = _fastest(medians)
+    best_serial = fastest.get(Strategy.SERIAL)
+    out = []
+    for (strategy, threads), ss in samples.items():
+        wall = Stats.of([s.wall_s for s in ss])
+        cpu = Stats.of([s.cpu_s for s in ss]).median
+        serial = medians.get((Strategy.SERIAL, threads))
+        out.append(
+            FusedRecord(
+                workload=workload,
+                model=model,
+                strategy=str(strategy),
+                n=n,
+                bandwidth=f"n{n}",
+                batch_size=batch,
+                params=params,
+                threads=threads,
+                device=cfg.device,
+                fastest_threads=fastest[strategy] == (strategy, threads),
+                iter_time_s=wall.median,
+                iter_time_min_s=wall.min,
+                iter_time_max_s=wall.max,
+                throughput=n * batch / wall.median,
+                cpu_time_s=cpu,
+                cpu_throughput=n * batch / cpu,
+                speedup_vs_serial=None if serial is None else serial / wall.median,
+                speedup_vs_fastest_serial=(
+                    None if best_serial is None else medians[best_serial] / wall.median
+                ),
+                steps=cfg.steps,
+                rounds=cfg.rounds,
+                malloc_tuned=malloc_tuned,
+                stock_adam=cfg.stock_adam.value,
+                native_kernels=native_kernels,
+            )
+        )
+    return out
+
+
+def _measure(cfg: BenchConfig, name: str, n: int, batch: int) -> dict[Contestant, list[Sample]]:
     model = get_model(name)
     runners: dict[Contestant, Runner] = {}
     try:
@@ -163,16 +214,14 @@ def _measure(
                     tune=cfg.tune_malloc, adam=cfg.stock_adam,
                 )  # fmt: skip
                 r.run(cfg.warmup)
-        times: dict[Contestant, list[float]] = {c: [] for c in runners}
-        cpus: dict[Contestant, list[float]] = {c: [] for c in runners}
-        order = list(runners)
-        for i in range(cfg.rounds):
-            for c in order[i % len(order) :] + order[: i % len(order)]:
-                torch.set_num_threads(c[1])  # in-process strategies; workers keep their own
-                wall, cpu = runners[c].run(cfg.steps)
-                times[c].append(wall / cfg.steps)
-                cpus[c].append(cpu / cfg.steps)
-        return times, cpus
+
+        def measure(turn: Turn[Contestant]) -> Sample:
+            torch.set_num_threads(turn.contestant[1])  # in-process ones; workers keep theirs
+            wall, cpu = runners[turn.contestant].run(cfg.steps)
+            return Sample(wall_s=wall / cfg.steps, cpu_s=cpu / cfg.steps)
+
+        # warm-up ran above, right after each build: the rounds are all kept
+        return run_rounds(list(runners), measure, rounds=cfg.rounds, order=Order.ROTATE)
     finally:
         for r in runners.values():
             r.close()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.bench.core import Stopwatch
 from plait.bench.fused.models import BenchModel, get_model
 from plait.fused.convert import fuse
 from plait.fused.losses import cross_entropy
@@ -86,9 +87,9 @@ class Runner:
     """Trains N models with one strategy; `run(steps)` returns (wall, CPU) seconds."""
 
     def run(self, steps: int) -> tuple[float, float]:
-        t, c = time.perf_counter(), time.process_time()
-        self.train(steps)
-        return time.perf_counter() - t, time.process_time() - c
+        with Stopwatch() as sw:
+            self.train(steps)
+        return sw.wall_s, sw.cpu_s
 
     def train(self, steps: int) -> None:
         raise NotImplementedError
