@@ -376,7 +376,7 @@ def _compare(
         done += 1
         if mode is Mode.ALONE:
             if progress:
-                print(f"  [{done}/{total}] {jobs[i].name} alone", flush=True)
+                logger.info("[%d/%d] %s alone", done, total, jobs[i].name)
             # alone but gated: the token is never contended, its hold time is the compute
             (solo,), busy = run([jobs[i]], Mode.CROSSOVER, steps, f"{group}-solo{i}")
             compute = None
@@ -389,7 +389,7 @@ def _compare(
         if not co_steps:  # a fast job runs more steps, so all overlap past warm-up
             co_steps = balanced_steps(steps, [1 / r for r in first_rates])
         if progress:
-            print(f"  [{done}/{total}] {len(jobs)} jobs {mode}", flush=True)
+            logger.info("[%d/%d] %d jobs %s", done, total, len(jobs), mode)
         mode_trace = None
         if trace is not None and turn.round == 0:
             mode_trace = trace.with_name(f"{trace.stem}-{mode}.json")

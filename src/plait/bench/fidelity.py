@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shlex
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from plait.cluster import Cluster, NetworkSpec, launch
 from plait.records import stamp
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
+
+logger = logging.getLogger(__name__)
 
 
 def run_fidelity(
@@ -58,7 +61,7 @@ def run_fidelity(
                 argv = ["plait.train", "--workload", w, "--strategy", s, "--epochs",
                         str(n_epochs), "--seed", str(seed), "--out", str(out),
                         "--no-progress"]  # fmt: skip
-                print(f"fidelity: {w} / {s}, {n_epochs} epoch(s) on {nodes} node(s)", flush=True)
+                logger.info("fidelity: %s / %s, %d epoch(s) on %d node(s)", w, s, n_epochs, nodes)
                 res = launch(cluster, argv, module=True, timeout_s=timeout_s, quiet=True)
                 if not res.ok or not out.exists():
                     keep_scratch(work)
