@@ -13,7 +13,7 @@ def test_split_is_stratified_disjoint_and_scaled() -> None:
     xs, ys = train.tensors
     xt, yt = test.tensors
     assert xs.shape[1:] == (64,) and len(xs) + len(xt) == 1797
-    assert 0.0 <= float(xs.min()) and float(xs.max()) <= 1.0
+    assert float(xs.min()) >= 0.0 and float(xs.max()) <= 1.0
     # every class is held out in about the same share
     counts = torch.bincount(yt, minlength=10).float() / torch.bincount(
         torch.cat([ys, yt]), minlength=10
