@@ -30,8 +30,9 @@ class _Mode(enum.Enum):
 
 def test_plain_state_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
     rng = np.random.default_rng(3).bit_generator.state
-    state = {
-        "w": torch.arange(4.0),
+    w = torch.arange(4.0)
+    state: dict[str, object] = {
+        "w": w,
         "mode": _Mode.FAST,
         "array": np.arange(6, dtype=np.int16).reshape(2, 3),
         "scalar": np.float32(1.5),
@@ -40,7 +41,7 @@ def test_plain_state_round_trips_through_a_weights_only_file(tmp_path: Path) -> 
     }
     save_file(to_plain(state), tmp_path / "s.pt")
     back = safe_load(tmp_path / "s.pt")
-    assert torch.equal(back["w"], state["w"]) and back["mode"] == "fast"
+    assert torch.equal(back["w"], w) and back["mode"] == "fast"
     np.testing.assert_array_equal(back["array"], state["array"])
     assert back["scalar"] == 1.5 and back["nested"] == [(1, "a"), {"size": (2, 3)}]
     assert back["rng"] == rng  # a generator state restores exactly
