@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import plait
 from plait.comm.fusion import ThresholdPlanner, ddp_bucket_caps_mb
-from plait.dp import compressor_names
+from plait.dp import comm_hook, compressor_names, make_compressor
 from plait.dp.compress import ACPSGD
 from plait.testing import run_distributed
 from plait.train.strategy import available_strategies, make_strategy
@@ -68,3 +70,35 @@ def test_compressed_buckets_match_ssgd_count() -> None:
     assert len(acp_caps) == len(dense_caps) == 4
     assert sum(acp_caps) == pytest.approx(sum(sizes) / 2**20)
     assert len(ddp_bucket_caps_mb(scaled, sizes)) == 8  # one bucket per layer
+
+
+def test_spec_text_and_comm_hook_need_no_process_group() -> None:
+    state, hook = comm_hook("acpsgd:rank=4,warmup=2")
+    assert isinstance(state, ACPSGD)
+    assert hook is ACPSGD.hook
+    assert make_compressor("topk", ratio=0.5).name == "topk"
+    with pytest.raises(ValueError, match="invalid options for compressor 'acpsgd:rnak=4'"):
+        comm_hook("acpsgd:rnak=4")
+    with pytest.raises(ValueError, match=r"\['rank'\] given both"):
+        make_compressor("acpsgd:rank=4", rank=2)
+    with pytest.raises(ValueError, match="unknown compressor 'nope'"):
+        comm_hook("nope:rank=4")
+
+
+def _comm_hook_on_bare_ddp(rank: int, world: int) -> list[torch.Tensor]:
+    """A DDP built by hand (as a framework would) with plait's hook registered on it."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(8, 8))
+    ddp.register_comm_hook(*comm_hook("topk:ratio=0.1"))
+    ddp(torch.full((2, 8), float(rank + 1))).sum().backward()
+    return [p.grad.clone() for p in ddp.parameters() if p.grad is not None]
+
+
+def test_comm_hook_on_a_ddp_built_elsewhere() -> None:
+    g0, g1 = run_distributed(_comm_hook_on_bare_ddp, world_size=2)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(a, b)  # both ranks got the same average
+    # every dense gradient entry is non-zero here; top-k's average has at most 2k of them
+    total = sum(g.numel() for g in g0)
+    nonzero = sum(int(g.count_nonzero()) for g in g0)
+    assert 0 < nonzero <= 2 * round(0.1 * total) + 2

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -18,12 +19,83 @@ from plait.comm.fusion import (
 )
 from plait.dp.compress import AllReduce, Compressor, compressor_class
 from plait.persist import from_plain, to_plain
+from plait.specs import parse_spec
 
 logger = logging.getLogger(__name__)
 
 #: Key of the compressor's state in a `data_parallel` model's ``state_dict()``.
 STATE_KEY = "plait_compressor"
 _STATE_FORMAT = 1
+
+
+#: A DDP communication hook: ``hook(state, bucket) -> Future`` of the averaged bucket.
+CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+
+
+def make_compressor(
+    compression: str | Compressor = "ssgd", *, group: Any = None, **options: Any
+) -> Compressor:
+    """The compressor named by `compression`, built with `options`; no process group needed.
+
+    Args:
+        compression: a name (``"acpsgd"``), a spec with options (``"acpsgd:rank=4"``) or an
+            instance (returned as is; `options` must then be empty).
+        group: process group the compressor communicates in (None: the default group).
+        **options: compressor options; an option may not be given in the spec too.
+
+    Raises:
+        ValueError: unknown compressor, unknown or invalid option, or an option given twice.
+    """
+    if isinstance(compression, Compressor):
+        if options:
+            raise ValueError("pass options to the compressor itself when giving an instance")
+        return compression
+    if not isinstance(compression, str):
+        raise ValueError(
+            f"compression must be a compressor name, spec or instance, got {compression!r}"
+        )
+    name, spec_options = parse_spec(compression)
+    twice = sorted(spec_options.keys() & options.keys())
+    if twice:
+        raise ValueError(f"option(s) {twice} given both in {compression!r} and as keywords")
+    cls = compressor_class(name)
+    try:
+        return cls(group=group, **spec_options, **options)
+    except TypeError as exc:
+        raise ValueError(f"invalid options for compressor {compression!r}: {exc}") from None
+
+
+def comm_hook(
+    compression: str | Compressor = "ssgd", *, group: Any = None, **options: Any
+) -> tuple[Compressor, CommHook]:
+    """A compressor as the ``(state, hook)`` pair of a DDP communication hook.
+
+    For DDP wrappers plait does not build itself (PyTorch Lightning's
+    ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``, Hugging Face accelerate's
+    prepared model, a hand-made DDP): ``ddp.register_comm_hook(state, hook)`` makes that
+    DDP average its gradients with plait's compressor. It needs no process group yet, so
+    it can be called before the framework initialises one.
+
+    Compared with `data_parallel`, the framework decides DDP's buckets (plait's planner is
+    not consulted) and its checkpoints do not hold the compressor's state: save
+    ``state.state_dict()`` and restore it with ``state.load_state_dict()`` for an exact
+    resume. Parameters are then known by their order (``param0``, ...), not their names.
+    A compressor that needs a single bucket (``torch-powersgd``) needs the framework's
+    ``bucket_cap_mb`` above the model's gradient size, or its hook stops with a ValueError.
+
+    Args:
+        compression: as in `make_compressor`.
+        group: process group (None: the default group of the DDP that registers it).
+        **options: compressor options.
+
+    Returns:
+        The compressor (DDP's hook state) and its hook.
+
+    Raises:
+        ValueError: as `make_compressor`.
+    """
+    comp = make_compressor(compression, group=group, **options)
+    return comp, type(comp).hook
 
 
 def data_parallel(
@@ -63,7 +135,8 @@ def data_parallel(
 
     Args:
         model: the module to train; its parameters must live on one device.
-        compression: a compressor name (``"ssgd"``, ``"acpsgd"``, ...) or instance.
+        compression: a compressor name (``"ssgd"``, ``"acpsgd"``, ...), a spec with its
+            options (``"acpsgd:rank=4"``, as on the command line) or an instance.
         bucket_cap_mb: fusion threshold of the uncompressed gradient, in MiB.
         final_bucket_mb: the gradients ready last form a bucket of about this size (MiB,
             uncompressed; 0 for none), which shortens the communication left after backward.
@@ -96,16 +169,7 @@ def data_parallel(
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
     if final_bucket_mb < 0:
         raise ValueError(f"final_bucket_mb must be >= 0, got {final_bucket_mb}")
-    if isinstance(compression, Compressor):
-        if options:
-            raise ValueError("pass options to the compressor itself when giving an instance")
-        comp = compression
-    else:
-        cls = compressor_class(compression)
-        try:
-            comp = cls(group=group, **options)
-        except TypeError as exc:
-            raise ValueError(f"invalid options for compressor {compression!r}: {exc}") from None
+    comp = make_compressor(compression, group=group, **options)
     if not isinstance(comp, AllReduce):
         sparse = [
             name
