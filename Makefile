@@ -28,8 +28,8 @@ test: install
 	$(DOCS)
 
 lint: install
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 	$(BIN)/lint-imports
 
 typecheck: install
