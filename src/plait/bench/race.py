@@ -103,10 +103,11 @@ def parse_entry(
     body, at, lr_text = text.strip().rpartition("@")
     if not at:
         body, lr_text = text.strip(), ""
-    spec, plus, opt = body.rpartition("+")
+    spec, plus, opt_text = body.rpartition("+")
     if not plus:
-        spec, opt = body, ""
-    spec, opt = spec.strip(), opt.strip() or optimizer
+        spec, opt_text = body, ""
+    spec = spec.strip()
+    opt = opt_text.strip() or optimizer
     if not spec:
         raise ValueError(f"race entry {text!r}: no strategy; expected SPEC[+OPTIMIZER][@LR]")
     if opt is not None and opt not in OPTIMIZERS:
@@ -218,9 +219,17 @@ class RaceSpec:
 
     def train_config(self, entry: Entry, seed: int) -> TrainConfig:
         """The `plait train` settings of one run (validated by `TrainConfig`)."""
-        return TrainConfig(workload=self.workload, strategy=entry.spec, data="real",
-                           steps=self.max_steps, batch_size=self.batch_size, lr=entry.lr,
-                           optimizer=entry.optimizer, seed=seed, progress=False)  # fmt: skip
+        return TrainConfig(
+            workload=self.workload,
+            strategy=entry.spec,
+            data="real",
+            steps=self.max_steps,
+            batch_size=self.batch_size,
+            lr=entry.lr,
+            optimizer=entry.optimizer,
+            seed=seed,
+            progress=False,
+        )
 
     def reached(self, value: float) -> bool:
         """The stop rule's test: `value` of the held-out metric meets the target."""
@@ -348,8 +357,12 @@ def _batches(t: Trainer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     epoch = 0
     while True:
         t.sampler.set_epoch(epoch)
-        loader = DataLoader(Subset(t.data.train, list(t.sampler)), batch_size=t.loader_batch,
-                            shuffle=False, drop_last=True)  # fmt: skip
+        loader = DataLoader(
+            Subset(t.data.train, list(t.sampler)),
+            batch_size=t.loader_batch,
+            shuffle=False,
+            drop_last=True,
+        )
         for x, y in loader:
             yield x.to(t.device), y.to(t.device)
         epoch += 1
@@ -399,16 +412,25 @@ class _Runner:
         key = METRICS[self.spec.metric][0]
         if key not in metrics:
             raise ValueError(f"workload {self.spec.workload!r} has no held-out split to race on")
-        point = RacePoint(step=self.step, train_time_s=_max_over_ranks(self.train_s),
-                          metric=metrics[key], test_loss=metrics["test_loss"],
-                          test_accuracy=metrics["test_accuracy"],
-                          train_loss=self.last_loss)  # fmt: skip
+        point = RacePoint(
+            step=self.step,
+            train_time_s=_max_over_ranks(self.train_s),
+            metric=metrics[key],
+            test_loss=metrics["test_loss"],
+            test_accuracy=metrics["test_accuracy"],
+            train_loss=self.last_loss,
+        )
         self.curve.append(point)
         if self.hit is None and self.spec.reached(point.metric):
             self.hit = point
-        self.done = should_stop(step=self.step, value=point.metric, target=self.spec.target,
-                                metric=self.spec.metric, max_steps=self.spec.max_steps,
-                                full_budget=self.spec.full_budget)  # fmt: skip
+        self.done = should_stop(
+            step=self.step,
+            value=point.metric,
+            target=self.spec.target,
+            metric=self.spec.metric,
+            max_steps=self.spec.max_steps,
+            full_budget=self.spec.full_budget,
+        )
         return point.metric
 
     def advance(self, steps: int, bar: Any) -> None:
@@ -466,8 +488,9 @@ def run_race_job(spec: RaceSpec, *, progress: bool = False) -> list[RaceRun]:
         from tqdm import tqdm
 
         total = len(spec.seeds) * len(spec.entries) * spec.max_steps
-        bar = tqdm(total=total, desc=f"race {spec.workload}", unit="step", file=sys.stdout,
-                   mininterval=1.0)  # fmt: skip
+        bar = tqdm(
+            total=total, desc=f"race {spec.workload}", unit="step", file=sys.stdout, mininterval=1.0
+        )
     runs: list[RaceRun] = []
     try:
         for seed in spec.seeds:
@@ -530,21 +553,41 @@ def summarise(
         assert f_med is not None and b_med is not None  # measured on every run
         results.append(
             RaceResult(
-                workload=spec.workload, label=e.label, spec=e.spec, optimizer=mine[0].optimizer,
-                lr=mine[0].lr, metric=spec.metric, target=spec.target,
-                seeds=[r.seed for r in mine], reached=sum(r.reached for r in mine),
-                time_to_target_s=t_med, time_to_target_min_s=t_min, time_to_target_max_s=t_max,
+                workload=spec.workload,
+                label=e.label,
+                spec=e.spec,
+                optimizer=mine[0].optimizer,
+                lr=mine[0].lr,
+                metric=spec.metric,
+                target=spec.target,
+                seeds=[r.seed for r in mine],
+                reached=sum(r.reached for r in mine),
+                time_to_target_s=t_med,
+                time_to_target_min_s=t_min,
+                time_to_target_max_s=t_max,
                 steps_to_target=s_med,
                 steps_to_target_min=None if s_min is None else int(s_min),
                 steps_to_target_max=None if s_max is None else int(s_max),
-                final_metric=f_med, final_metric_min=f_min or 0.0, final_metric_max=f_max or 0.0,
-                bytes_per_worker=b_med, bytes_per_worker_min=b_min or 0.0, bytes_per_worker_max=b_max or 0.0,
-                time_ratio=None, nodes=nodes, nproc_per_node=nproc_per_node,
-                world_size=nodes * nproc_per_node, bandwidth=spec.bandwidth, rate=spec.rate,
-                batch_size=batch_size, max_steps=spec.max_steps, eval_every=spec.eval_every,
-                chunk=spec.chunk, full_budget=spec.full_budget, runs=mine,
+                final_metric=f_med,
+                final_metric_min=f_min or 0.0,
+                final_metric_max=f_max or 0.0,
+                bytes_per_worker=b_med,
+                bytes_per_worker_min=b_min or 0.0,
+                bytes_per_worker_max=b_max or 0.0,
+                time_ratio=None,
+                nodes=nodes,
+                nproc_per_node=nproc_per_node,
+                world_size=nodes * nproc_per_node,
+                bandwidth=spec.bandwidth,
+                rate=spec.rate,
+                batch_size=batch_size,
+                max_steps=spec.max_steps,
+                eval_every=spec.eval_every,
+                chunk=spec.chunk,
+                full_budget=spec.full_budget,
+                runs=mine,
             )
-        )  # fmt: skip
+        )
     base = results[0].time_to_target_s
     for r in results:
         if base and r.time_to_target_s is not None:
@@ -583,13 +626,14 @@ def markdown(results: Sequence[RaceResult]) -> str:
     ]
     for r in results:
         ratio = "-" if r.time_ratio is None else f"{r.time_ratio:.2f}x"
+        mb_min, mb_max = r.bytes_per_worker_min / 1e6, r.bytes_per_worker_max / 1e6
         steps = _span(r.steps_to_target, r.steps_to_target_min, r.steps_to_target_max, ".0f")
         lines.append(
             f"| {r.label} | {r.lr:g} | {r.reached}/{len(r.seeds)} "
             f"| {_span(r.time_to_target_s, r.time_to_target_min_s, r.time_to_target_max_s, '.2f')} "
             f"| {steps} "
             f"| {_span(r.final_metric, r.final_metric_min, r.final_metric_max, '.4f')} "
-            f"| {_span(r.bytes_per_worker / 1e6, r.bytes_per_worker_min / 1e6, r.bytes_per_worker_max / 1e6, '.1f')} "
+            f"| {_span(r.bytes_per_worker / 1e6, mb_min, mb_max, '.1f')} "
             f"| {ratio} |"
         )
     return "\n".join(lines) + "\n"
@@ -597,8 +641,9 @@ def markdown(results: Sequence[RaceResult]) -> str:
 
 def _median_run(runs: Sequence[RaceRun]) -> RaceRun:
     """The run whose time to target is the median (lower middle), misses last."""
-    ranked = sorted(runs, key=lambda r: (math.inf if r.time_to_target_s is None
-                                         else r.time_to_target_s, r.seed))  # fmt: skip
+    ranked = sorted(
+        runs, key=lambda r: (math.inf if r.time_to_target_s is None else r.time_to_target_s, r.seed)
+    )
     return ranked[(len(ranked) - 1) // 2]
 
 
@@ -618,18 +663,27 @@ def plot(results: Sequence[RaceResult], path: Path) -> Path:
             for ax, key in ((axes[0], "train_time_s"), (axes[1], "step")):
                 xs = [getattr(p, key) for p in run.curve]
                 ys = [p.metric for p in run.curve]
-                (line,) = ax.plot(xs, ys, color=color, linewidth=1.8 if main else 0.8,
-                                  alpha=1.0 if main else 0.35,
-                                  label=f"{r.label} (lr {r.lr:g})" if main and key == "step"
-                                  else None)  # fmt: skip
+                (line,) = ax.plot(
+                    xs,
+                    ys,
+                    color=color,
+                    linewidth=1.8 if main else 0.8,
+                    alpha=1.0 if main else 0.35,
+                    label=f"{r.label} (lr {r.lr:g})" if main and key == "step" else None,
+                )
                 color = line.get_color()
                 hit = next((p for p in run.curve if p.step == run.steps_to_target), None)
                 if run.reached and hit is not None:
-                    ax.plot([getattr(hit, key)], [hit.metric], "o", color=color, markersize=4 if main else 2.5,
-                            alpha=1.0 if main else 0.5)  # fmt: skip
+                    ax.plot(
+                        [getattr(hit, key)],
+                        [hit.metric],
+                        "o",
+                        color=color,
+                        markersize=4 if main else 2.5,
+                        alpha=1.0 if main else 0.5,
+                    )
     for ax in axes:
-        ax.axhline(results[0].target if results else 0.0, color="grey", linestyle="--",
-                   linewidth=1)  # fmt: skip
+        ax.axhline(results[0].target if results else 0.0, color="grey", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
     axes[0].set_xlabel("training wall-clock time (s, evaluation excluded)")
     axes[1].set_xlabel("step")
@@ -690,11 +744,23 @@ def run_race(
     if not progress:
         argv.append("--no-progress")
     with Cluster.create(nodes=nodes, network=net) as cluster:
-        logger.info("race %s on %d node(s) x %d (%s): %s", spec.workload, nodes, nproc_per_node,
-                    cluster.network.describe(), ", ".join(e.label for e in spec.entries))  # fmt: skip
-        result = launch(cluster, argv, module=True, nproc_per_node=nproc_per_node,
-                        threads=threads, timeout_s=timeout_s,
-                        log_dir=work / "logs")  # fmt: skip
+        logger.info(
+            "race %s on %d node(s) x %d (%s): %s",
+            spec.workload,
+            nodes,
+            nproc_per_node,
+            cluster.network.describe(),
+            ", ".join(e.label for e in spec.entries),
+        )
+        result = launch(
+            cluster,
+            argv,
+            module=True,
+            nproc_per_node=nproc_per_node,
+            threads=threads,
+            timeout_s=timeout_s,
+            log_dir=work / "logs",
+        )
     if not result.ok or not res_path.exists():
         logger.error("%s", result.tail())
         keep_scratch(work)

@@ -64,8 +64,13 @@ class MuonAdamW(torch.optim.Optimizer):
         rest = [p for p in tensors if p.ndim != 2]
         super().__init__(tensors, {"lr": lr, "weight_decay": weight_decay})
         self._muon = (
-            torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                             adjust_lr_fn="match_rms_adamw")  # fmt: skip
+            torch.optim.Muon(
+                matrices,
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                adjust_lr_fn="match_rms_adamw",
+            )
             if matrices
             else None
         )
