@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", action="store_true", help="write a merged trace per job")
     b.set_defaults(nodes=4)
 
+    _add_race_parser(sub)
+
     x = sub.add_parser("crossover", help="co-located jobs that fill each other's communication")
     xs = x.add_subparsers(dest="action", required=True)
     xr = xs.add_parser("run", help="launch co-located jobs on one emulated cluster")
@@ -208,6 +210,88 @@ def _bytes(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_race_parser(sub: Any) -> None:
+    from plait.bench.race import METRICS
+    from plait.train.loop import OPTIMIZERS
+
+    ra = sub.add_parser(
+        "race",
+        help="time to a held-out target: strategies and optimizers raced on one cluster",
+        description="Train every entry from the same seed and initial weights on the "
+        "workload's real data to a held-out target, interleaved a chunk of steps at a time "
+        "in one job on the emulated cluster; report training time (evaluation excluded) and "
+        "steps to the target, the final metric and the bytes sent, median over seeds "
+        "[min-max]; write results.json, results.md and results.png to --out.",
+    )
+    ra.add_argument(
+        "--workload",
+        default="mlp",
+        help="a workload with a held-out split (mlp, digits-cnn, resnet18, gpt, ...) "
+        "or a factory pkg.module:factory",
+    )
+    ra.add_argument(
+        "--strategies",
+        default="ssgd+sgd,ssgd+adamw",
+        help="entries SPEC[+OPTIMIZER][@LR], comma-separated (; between entries "
+        "whose options hold commas), e.g. 'ssgd+sgd@0.1,acpsgd:rank=4+sgd@0.1,"
+        "ssgd+muon@0.01,spd-kfac+sgd@0.05'",
+    )
+    ra.add_argument(
+        "--target",
+        type=float,
+        required=True,
+        help="held-out value to reach: accuracy 0.95, or a loss with --metric loss",
+    )
+    ra.add_argument(
+        "--metric",
+        default="accuracy",
+        choices=list(METRICS),
+        help="accuracy (reach at least --target) or loss (at most --target)",
+    )
+    ra.add_argument(
+        "--seeds",
+        type=_ints,
+        default=(0, 1, 2),
+        help="one run per entry per seed, medians over them (at least 3 advised)",
+    )
+    ra.add_argument("--max-steps", type=int, default=500, help="step budget per run")
+    ra.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help="steps between held-out evaluations (excluded from the time)",
+    )
+    ra.add_argument(
+        "--chunk", type=int, default=10, help="steps an entry trains before the next entry's turn"
+    )
+    ra.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
+    ra.add_argument(
+        "--optimizer",
+        default=None,
+        choices=list(OPTIMIZERS),
+        help="optimizer of entries without +OPTIMIZER (default: the workload's); "
+        "muon: torch.optim.Muon for the matrices, AdamW for the rest",
+    )
+    ra.add_argument(
+        "--lr",
+        action="append",
+        default=[],
+        metavar="LR|LABEL=LR",
+        help="learning rate of entries without @LR: a number for all, or "
+        "SPEC[+OPTIMIZER]=LR for one (repeatable); default: the workload's",
+    )
+    ra.add_argument(
+        "--full-budget",
+        action="store_true",
+        help="train on to the budget after the target (final metrics at equal "
+        "steps); by default a run stops at its target",
+    )
+    ra.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
+    ra.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_cluster_args(ra)
+    ra.set_defaults(nodes=4)
 
 
 def _add_sweep_parser(sub: Any) -> None:
@@ -430,6 +514,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if out is not None:
         paths = write_reports(records, out)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def cmd_race(args: argparse.Namespace) -> int:
+    from plait.bench.race import markdown, run_race
+
+    spec = _race_spec(args)
+    out = Path(args.out) if args.out else None
+    print(
+        f"plait race: {spec.workload} on {args.nodes} node(s) x {args.nproc_per_node}, "
+        f"{args.bandwidth or 'unshaped'}: {', '.join(e.label for e in spec.entries)}; "
+        f"seeds {', '.join(map(str, spec.seeds))}",
+        flush=True,
+    )
+    results = run_race(
+        spec,
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        latency=args.latency,
+        loss=args.loss,
+        threads=args.threads,
+        out=out,
+        timeout_s=args.timeout or 6 * 3600,
+        progress=not args.no_progress,
+    )
+    print(markdown(results), end="")
+    if out is not None:
+        print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
     return 0
 
 
@@ -836,6 +948,69 @@ def _validate_bench(args: argparse.Namespace) -> None:
     )
 
 
+def _race_spec(args: argparse.Namespace) -> Any:
+    """The `plait.bench.race.RaceSpec` the flags describe (entries, optimizers and rates
+    parsed, every strategy spec checked by `TrainConfig`)."""
+    from plait.bench.race import RaceSpec, parse_entry, parse_lr_map
+
+    default_lr, lrs = parse_lr_map(args.lr)
+    texts = split_specs(args.strategies)
+    if not texts:
+        raise ValueError("--strategies: no entry given; e.g. ssgd+sgd@0.1,ssgd+adamw@1e-3")
+    entries = [parse_entry(t, optimizer=args.optimizer, lrs=lrs, lr=default_lr) for t in texts]
+    labels = {e.label for e in entries} | {e.spec for e in entries}
+    unknown = sorted(set(lrs) - labels)
+    if unknown:
+        raise ValueError(
+            f"--lr {unknown[0]}=...: no such entry; entries are "
+            + ", ".join(e.label for e in entries)
+        )
+    return RaceSpec(
+        workload=args.workload,
+        entries=entries,
+        target=args.target,
+        metric=args.metric,
+        seeds=list(args.seeds),
+        max_steps=args.max_steps,
+        eval_every=args.eval_every,
+        chunk=args.chunk,
+        batch_size=args.batch_size,
+        full_budget=args.full_budget,
+        bandwidth=args.bandwidth or "",
+    )
+
+
+def _validate_race(args: argparse.Namespace) -> None:
+    _check_cluster_args(args)
+    for flag in ("max_steps", "eval_every", "chunk", "batch_size"):
+        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    _number("--target", args.target, low=-math.inf)
+    if args.metric == "accuracy":
+        _number("--target", args.target, low=0, high=1, low_open=True)
+    if len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds {','.join(map(str, args.seeds))}: a seed given twice")
+    _writable_dir("--out", args.out)
+    _workloads(args.workload)
+    if "," in args.workload:
+        raise ValueError(f"--workload {args.workload!r}: a race takes one workload")
+    spec = _race_spec(args)
+    from plait.train.strategy import Strategy, make_strategy
+    from plait.workloads import get_workload
+
+    wl = get_workload(spec.workload)
+    if wl.real().test is None:
+        raise ValueError(f"--workload {spec.workload!r}: its real data has no held-out split")
+    model = None
+    for e in spec.entries:  # plan degrees against the world and the real model
+        strategy = make_strategy(e.spec)
+        try:
+            if type(strategy).check is not Strategy.check:
+                model = model or wl.model(wl.real().info)
+                strategy.check(model, world=args.nodes * args.nproc_per_node)
+        finally:
+            strategy.close()
+
+
 def _validate_crossover(args: argparse.Namespace) -> None:
     from plait.bench.colocate import Job
     from plait.train.loop import TrainConfig
@@ -950,6 +1125,7 @@ VALIDATORS: dict[str, Callable[[argparse.Namespace], None]] = {
     "run": _validate_run,
     "cluster": _validate_cluster,
     "bench": _validate_bench,
+    "race": _validate_race,
     "crossover": _validate_crossover,
     "sweep": _validate_sweep,
     "bench-fused": _validate_bench_fused,
@@ -963,6 +1139,7 @@ COMMANDS = {
     "run": cmd_run,
     "cluster": cmd_cluster,
     "bench": cmd_bench,
+    "race": cmd_race,
     "crossover": cmd_crossover,
     "sweep": cmd_sweep,
     "bench-fused": cmd_bench_fused,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from plait.train.loop import TrainConfig
+from plait.train.loop import OPTIMIZERS, TrainConfig
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -35,8 +35,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer",
         default=None,
-        choices=["sgd", "adam", "adamw"],
-        help="optimizer (default: the workload's)",
+        choices=list(OPTIMIZERS),
+        help="optimizer (default: the workload's); muon: torch.optim.Muon for the weight "
+        "matrices, AdamW for the rest",
     )
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")

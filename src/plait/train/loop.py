@@ -34,10 +34,11 @@ from plait.comm import stats as comm_stats
 from plait.crossover.scheduler import Crossover, attach
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.checkpoint import Checkpointer, has_sharded, load_sharded
+from plait.train.optim import MuonAdamW
 from plait.train.strategy import Strategy, make_strategy
 from plait.workloads import DataSplit, Workload, get_workload
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
 
 
 @dataclass(kw_only=True)
@@ -152,6 +153,8 @@ def build_optimizer(
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "muon":  # Muon for the matrices, AdamW for the rest (plait.train.optim)
+        return MuonAdamW(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
 
 

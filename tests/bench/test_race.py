@@ -1,0 +1,310 @@
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.bench.race import (
+    Entry,
+    RacePoint,
+    RaceRun,
+    RaceSpec,
+    median_range,
+    parse_entry,
+    parse_lr_map,
+    run_race,
+    should_stop,
+    summarise,
+    write_reports,
+)
+
+RESULT_FIELDS = {
+    "workload",
+    "label",
+    "spec",
+    "optimizer",
+    "lr",
+    "metric",
+    "target",
+    "seeds",
+    "reached",
+    "time_to_target_s",
+    "time_to_target_min_s",
+    "time_to_target_max_s",
+    "steps_to_target",
+    "steps_to_target_min",
+    "steps_to_target_max",
+    "final_metric",
+    "final_metric_min",
+    "final_metric_max",
+    "bytes_per_worker",
+    "bytes_per_worker_min",
+    "bytes_per_worker_max",
+    "time_ratio",
+    "nodes",
+    "nproc_per_node",
+    "world_size",
+    "bandwidth",
+    "rate",
+    "batch_size",
+    "max_steps",
+    "eval_every",
+    "chunk",
+    "runs",
+    "torch",
+    "commit",
+    "command",
+    "machine",
+}
+
+
+# ----------------------------------------------------------------- entries and flags
+def test_parse_entry_and_lr_map() -> None:
+    assert parse_entry("acpsgd:rank=4+sgd@0.1") == Entry(
+        spec="acpsgd:rank=4", optimizer="sgd", lr=0.1
+    )
+    assert parse_entry("ssgd") == Entry(spec="ssgd")
+    default, lrs = parse_lr_map(["0.05", "ssgd+muon=0.02", "acpsgd:rank=4=0.3"])
+    assert default == 0.05 and lrs == {"ssgd+muon": 0.02, "acpsgd:rank=4": 0.3}
+    # @LR wins over the map, the map (by label, then bare spec) over the default
+    assert parse_entry("ssgd+muon@0.5", lrs=lrs, lr=default).lr == 0.5
+    assert parse_entry("ssgd+muon", lrs=lrs, lr=default).lr == 0.02
+    assert parse_entry("acpsgd:rank=4+sgd", lrs=lrs, lr=default).lr == 0.3
+    assert parse_entry("ssgd", optimizer="adamw", lrs=lrs, lr=default) == Entry(
+        spec="ssgd", optimizer="adamw", lr=0.05
+    )
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        parse_entry("ssgd+lion")
+    with pytest.raises(ValueError, match="expected a number > 0"):
+        parse_entry("ssgd@0")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_lr_map(["ssgd=0.1", "ssgd=0.2"])
+
+
+def test_spec_refuses_bad_races() -> None:
+    ok: dict[str, Any] = {"workload": "mlp", "entries": [Entry(spec="ssgd")], "target": 0.9}
+    RaceSpec(**ok)
+    for bad, match in (
+        ({"entries": []}, "at least one entry"),
+        ({"entries": [Entry(spec="ssgd"), Entry(spec="ssgd")]}, "given twice"),
+        ({"target": 1.5}, r"fraction in \(0, 1\]"),
+        ({"metric": "f1"}, "metric 'f1'"),
+        ({"seeds": []}, "at least one seed"),
+        ({"chunk": 0}, "chunk must be >= 1"),
+        ({"entries": [Entry(spec="acpsgd:rnak=2")]}, "unknown option 'rnak'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            RaceSpec(**{**ok, **bad})
+    assert RaceSpec(**{**ok, "metric": "loss", "target": 1.7}).reached(1.6)
+
+
+# ------------------------------------------------------------------------ stop rule
+def test_stop_rule() -> None:
+    acc: dict[str, Any] = {
+        "target": 0.9,
+        "metric": "accuracy",
+        "max_steps": 100,
+        "full_budget": False,
+    }
+    assert not should_stop(step=10, value=None, **acc)  # between evaluations
+    assert not should_stop(step=10, value=0.89, **acc)
+    assert should_stop(step=10, value=0.9, **acc)  # the target itself counts
+    assert should_stop(step=100, value=0.1, **acc)  # the budget
+    assert should_stop(step=100, value=None, **acc)
+    assert not should_stop(step=10, value=0.95, **{**acc, "full_budget": True})
+    assert should_stop(step=100, value=0.95, **{**acc, "full_budget": True})
+    loss = {**acc, "metric": "loss", "target": 1.5}
+    assert should_stop(step=5, value=1.5, **loss) and not should_stop(step=5, value=1.6, **loss)
+    assert not should_stop(step=5, value=math.nan, **loss)  # a diverged run never arrives
+
+
+# ------------------------------------------------------------------------ statistics
+def test_median_range_counts_misses_as_never() -> None:
+    assert median_range([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert median_range([3.0, None, 1.0]) == (3.0, 1.0, None)  # one miss: still a median
+    assert median_range([None, 1.0, None]) == (None, 1.0, None)  # two of three: not reached
+    assert median_range([None]) == (None, None, None)
+    assert median_range([4, 2]) == (3.0, 2, 4)
+    assert median_range([]) == (None, None, None)
+
+
+def _run(label: str, seed: int, hit: int | None, *, per_step_s: float, steps: int = 40) -> RaceRun:
+    curve = []
+    for step in range(0, steps + 1, 10):
+        metric = 0.95 if hit is not None and step >= hit else 0.5 + step / 1000
+        curve.append(
+            RacePoint(
+                step=step,
+                train_time_s=step * per_step_s,
+                metric=metric,
+                test_loss=1 - metric,
+                test_accuracy=metric,
+                train_loss=None if step == 0 else 0.3,
+            )
+        )
+        if hit is not None and step >= hit:
+            break
+    last = curve[-1]
+    return RaceRun(
+        label=label,
+        spec=label.partition("+")[0],
+        optimizer="sgd",
+        lr=0.1,
+        seed=seed,
+        reached=hit is not None,
+        steps_to_target=hit,
+        time_to_target_s=None if hit is None else hit * per_step_s,
+        steps=last.step,
+        train_time_s=last.train_time_s,
+        eval_time_s=0.01,
+        final_metric=last.metric,
+        bytes_per_worker=1e6 * last.step,
+        payload_bytes=int(1e6 * last.step),
+        curve=curve,
+    )
+
+
+def test_summary_and_reports_without_a_cluster(tmp_path: Path) -> None:
+    spec = RaceSpec(
+        workload="mlp",
+        target=0.9,
+        seeds=[0, 1, 2],
+        max_steps=40,
+        eval_every=10,
+        entries=[
+            Entry(spec="ssgd", optimizer="sgd", lr=0.1),
+            Entry(spec="acpsgd:rank=4", optimizer="sgd", lr=0.1),
+        ],
+    )
+    runs = [
+        _run("ssgd+sgd", 0, 20, per_step_s=1.0),
+        _run("ssgd+sgd", 1, 30, per_step_s=1.0),
+        _run("ssgd+sgd", 2, 20, per_step_s=1.5),
+        _run("acpsgd:rank=4+sgd", 0, 30, per_step_s=0.25),
+        _run("acpsgd:rank=4+sgd", 1, None, per_step_s=0.25),
+        _run("acpsgd:rank=4+sgd", 2, 20, per_step_s=0.25),
+    ]
+    base, acp = summarise(spec, runs, nodes=2, nproc_per_node=1, batch_size=16)
+    assert (base.time_to_target_s, base.time_to_target_min_s, base.time_to_target_max_s) == (
+        30.0,
+        20.0,
+        30.0,
+    )
+    assert (base.steps_to_target, base.steps_to_target_min, base.steps_to_target_max) == (
+        20,
+        20,
+        30,
+    )
+    assert base.reached == 3 and base.time_ratio == 1.0 and base.seeds == [0, 1, 2]
+    # the miss counts as never: median of (5, 7.5, never) is 7.5, max is never
+    assert (acp.time_to_target_s, acp.time_to_target_min_s, acp.time_to_target_max_s) == (
+        7.5,
+        5.0,
+        None,
+    )
+    assert acp.reached == 2 and acp.time_ratio == pytest.approx(7.5 / 30)
+    assert acp.final_metric_min == pytest.approx(0.54) and acp.final_metric_max == 0.95
+    assert acp.bytes_per_worker == 30e6 and acp.world_size == 2
+
+    base.provenance = {
+        "command": "plait race --target 0.9",
+        "torch": "x",
+        "commit": "c",
+        "machine": {},
+    }
+    acp.provenance = dict(base.provenance)
+    write_reports([base, acp], tmp_path)
+    records = json.loads((tmp_path / "results.json").read_text())
+    assert [r["label"] for r in records] == ["ssgd+sgd", "acpsgd:rank=4+sgd"]
+    assert set(records[1]) >= RESULT_FIELDS
+    assert len(records[1]["runs"]) == 3 and records[1]["runs"][1]["steps_to_target"] is None
+    md = (tmp_path / "results.md").read_text()
+    assert "`plait race --target 0.9`" in md and "evaluation excluded" in md
+    assert "| acpsgd:rank=4+sgd | 0.1 | 2/3 | 7.50 [5.00-never] | 30 [20-never] |" in md
+    assert "0.25x |" in md
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "results.png").stat().st_size > 10_000  # two panels of lines, not blank
+
+
+# --------------------------------------------------------- the runner on a cluster
+def test_race_on_two_nodes(tmp_path: Path) -> None:
+    """2 entries x 2 seeds on a 2-node cluster (emulated, or loopback without
+    CAP_NET_ADMIN), 24 steps: S-SGD at lr 0.1 on digits passes 60% held-out accuracy within
+    16 steps at batch 16 on every seed tried, so 0.5 is reachable; Muon's run is only
+    checked for consistency."""
+    spec = RaceSpec(
+        workload="mlp",
+        target=0.5,
+        seeds=[0, 1],
+        max_steps=24,
+        eval_every=4,
+        chunk=6,
+        batch_size=16,
+        entries=[
+            Entry(spec="ssgd", optimizer="sgd", lr=0.1),
+            Entry(spec="ssgd", optimizer="muon", lr=0.01),
+        ],
+    )
+    results = run_race(
+        spec, nodes=2, out=tmp_path, timeout_s=300, progress=False, command="test race"
+    )
+    assert [r.label for r in results] == ["ssgd+sgd", "ssgd+muon"]
+    sgd, muon = results
+    assert sgd.reached == 2 and sgd.time_ratio == 1.0
+    for res in results:
+        assert set(res.to_dict()) >= RESULT_FIELDS
+        assert (
+            res.world_size == 2 and res.batch_size == 16 and res.to_dict()["command"] == "test race"
+        )
+        assert [run.seed for run in res.runs] == [0, 1]
+        for run in res.runs:
+            c = run.curve
+            assert c[0].step == 0 and c[0].train_time_s == 0.0
+            assert all(
+                a.step < b.step and a.train_time_s <= b.train_time_s
+                for a, b in itertools.pairwise(c)
+            )
+            assert all(p.step % 4 == 0 or p.step == 24 for p in c)
+            assert run.bytes_per_worker > 0 and run.eval_time_s > 0
+            assert run.final_metric == c[-1].metric and run.train_time_s == c[-1].train_time_s
+            if run.reached:
+                # the first evaluation at the target, with the training time at that step,
+                # and the run stopped there
+                first = next(p for p in c if p.metric >= 0.5)
+                assert run.steps_to_target == first.step == run.steps == c[-1].step
+                assert run.time_to_target_s == first.train_time_s == run.train_time_s
+                assert run.time_to_target_s is not None and run.time_to_target_s > 0
+            else:
+                assert run.steps == 24 and all(p.metric < 0.5 for p in c)
+                assert run.time_to_target_s is None and run.steps_to_target is None
+    for seed in (0, 1):  # same seed: same initial weights, so the same metric at step 0
+        assert sgd.runs[seed].curve[0].metric == muon.runs[seed].curve[0].metric
+    assert sgd.runs[0].curve[0].metric != sgd.runs[1].curve[0].metric
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "results.png"}
+
+
+def test_cli_refuses_before_building_a_cluster(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait import cli
+    from plait.cluster import Cluster
+
+    def no_cluster(*a: object, **k: object) -> None:
+        raise AssertionError("a cluster was built for a bad command")
+
+    monkeypatch.setattr(Cluster, "create", no_cluster)
+    for argv, message in (
+        (["--target", "1.5"], "--target 1.5"),
+        (["--target", "0.9", "--strategies", "ssgd+lion"], "unknown optimizer 'lion'"),
+        (["--target", "0.9", "--lr", "adam=0.1"], "--lr adam=...: no such entry"),
+        (["--target", "0.9", "--seeds", "1,1"], "a seed given twice"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["race", *argv])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
