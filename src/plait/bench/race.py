@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, Subset
 
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
-from plait.records import pyplot, save_figure, stamp, write_json, write_markdown
+from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
 from plait.specs import split_specs
 from plait.train.loop import OPTIMIZERS, TrainConfig, Trainer
 
@@ -768,7 +768,8 @@ def run_race(
         raise RuntimeError(f"race job failed (exit codes {result.returncodes}{why})")
     runs = [_run_from_dict(d) for d in json.loads(res_path.read_text())]
     results = summarise(spec, runs, nodes=nodes, nproc_per_node=nproc_per_node, batch_size=batch)
-    for r, meta in zip(results, stamp([{} for _ in results], command=command), strict=True):
+    meta = provenance(command=command)
+    for r in results:
         r.provenance = {**meta, "latency": latency, "loss": loss}
     if out is not None:
         write_reports(results, out)
