@@ -140,21 +140,29 @@ def test_accumulated_micro_batches_equal_one_batch() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_intervals_and_dry_run() -> None:
+def test_intervals() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kfac = KFAC(model, KFACConfig(inv_interval=3, factor_interval=2), optimizer=opt)
     for s in range(6):
         _step(model, kfac, opt, s)
     assert kfac.stats.inversions == 2 * 4  # steps 0 and 3, four factors each
-    before = kfac.state_dict()
-    with kfac.dry_run():
-        x, y = _batch(9)
-        nn.functional.cross_entropy(model(x), y).backward()
-        kfac.step()
-    after = kfac.state_dict()
-    assert after["steps"] == before["steps"]
-    assert torch.equal(after["pipeline"]["running"], before["pipeline"]["running"])
+    assert [kfac.is_inversion_step(s) for s in range(4)] == [True, False, False, True]
+
+
+def test_remove_and_attach_detach_and_restore_the_hooks() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFAC(model, KFACConfig(kl_clip=None))
+    kfac.remove()
+    x, y = _batch(0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    kfac.step()  # nothing captured: nothing discovered, gradients left as they are
+    assert not kfac.pipeline.discovered
+    kfac.attach()
+    opt.zero_grad()
+    _step(model, kfac, opt, 1)
+    assert kfac.pipeline.discovered and kfac.stats.inversions == 4
 
 
 def test_state_dict_resumes_exactly() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from plait.kfac.config import KFACConfig
+from plait.kfac.costs import KFACCosts
 from plait.kfac.factors import Method
 from plait.kfac.layers import FactorKind, FactorShape, KFACLayer, make_layer
 from plait.kfac.pipeline import FactorComm, FactorPipeline, FactorSync, PipelineConfig
@@ -19,6 +20,7 @@ __all__ = [
     "FactorShape",
     "FactorSync",
     "KFACConfig",
+    "KFACCosts",
     "KFACLayer",
     "Method",
     "PipelineConfig",
