@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import logging
 import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,6 +63,8 @@ from plait.kfac.placement import (
     plan_placement,
 )
 from plait.trace import FACTOR, INVERSE, PRECONDITION, span
+
+logger = logging.getLogger(__name__)
 
 #: An explicit inverse of side n pays once ``uses * m >= EXPLICIT_PAYOFF * n`` (m: the partner
 #: side it is multiplied with). From the per-layer kernel tables on one core
@@ -106,6 +108,8 @@ class KFACStats:
     broadcasts: int = 0
     steps: int = 0
     unhandled: list[str] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)
+    batch_shared: list[str] = field(default_factory=list)
 
 
 class KFAC:
@@ -177,17 +181,36 @@ class KFAC:
         self._ready: set[str] = set()  # layers with both decompositions (rank-consistent)
         self._micro = 0
         self._accumulating = False
+        self._shapes: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
         self.attach()
 
     # ------------------------------------------------------------------ set-up
     def _register(self, module: nn.Module) -> dict[str, KFACLayer]:
+        """The layers to precondition; what is left alone is logged once, in one line.
+
+        A parameter shared by two modules (tied input and output embeddings) is left to
+        the optimizer: its Fisher block is the sum of one Kronecker product per use, and no
+        single pair of factors represents that sum. Either module's pair alone would treat
+        the other use's curvature as absent (and registering both would precondition one
+        gradient twice and keep only the last result). The exact inverse of the sum needs
+        decompositions of both vocabulary-sized sides, the very factor that makes an
+        output-embedding K-FAC impractical; plain gradients for that one matrix are exact.
+
+        Raises:
+            ValueError: no module of the model is one K-FAC can precondition.
+        """
         layers: dict[str, KFACLayer] = {}
         unhandled: Counter[str] = Counter()
         examples: dict[str, str] = {}
+        matrices = False  # a weight matrix is among the modules left alone
+        owners: dict[int, list[str]] = {}
         for name, sub in module.named_modules():
-            if not any(p.requires_grad for p in sub.parameters(recurse=False)):
+            params = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+            if not params:
                 continue
+            for p in params:
+                owners.setdefault(id(p), []).append(name or "<root>")
             cls = type(sub).__name__
             if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(cls, pat)
                    for pat in self.cfg.skip_layers):  # fmt: skip
@@ -196,16 +219,36 @@ class KFAC:
             if layer is None:
                 unhandled[cls] += 1
                 examples.setdefault(cls, name or "<root>")
+                matrices = matrices or any(p.dim() >= 2 for p in params)
                 continue
             layers[name] = layer
-        if unhandled:
-            self.stats.unhandled = sorted(unhandled)
-            listing = ", ".join(
-                f"{cls} x{n} (e.g. {examples[cls]})" for cls, n in unhandled.items()
+        shared = sorted(
+            {
+                " & ".join(owners[id(p)])
+                for layer in layers.values()
+                for p in layer.parameters()
+                if len(owners[id(p)]) > 1
+            }
+        )
+        for group in shared:
+            for name in group.split(" & "):
+                layers.pop("" if name == "<root>" else name, None)
+        if not layers:
+            raise ValueError(
+                f"K-FAC found no layer to precondition in {type(module).__name__}: it "
+                "handles nn.Linear, nn.Conv2d, nn.Embedding and transformers' Conv1D"
+                + (f" (left alone: {', '.join(sorted(unhandled))})" if unhandled else "")
+                + "; register a Linear-like layer with plait.kfac.register_layer_type"
             )
-            warnings.warn(
-                f"K-FAC leaves these modules to the optimizer, unpreconditioned: {listing}",
-                stacklevel=3,
+        self.stats.unhandled = sorted(unhandled)
+        self.stats.shared = shared
+        if unhandled or shared:
+            parts = [f"{cls} x{n} (e.g. {examples[cls]})" for cls, n in unhandled.items()]
+            parts += [f"weight shared by {group}" for group in shared]
+            logger.log(
+                logging.WARNING if matrices or shared else logging.INFO,
+                "K-FAC leaves these to the optimizer, unpreconditioned: %s",
+                ", ".join(parts),
             )
         return layers
 
@@ -326,7 +369,13 @@ class KFAC:
     ) -> None:
         if not inputs or not isinstance(inputs[0], torch.Tensor) or not self._capturing(module):
             return
+        if layer.name not in self.layers:  # left alone on the first step
+            return
         x = inputs[0].detach()
+        if not self.pipeline.discovered and _shared_by_the_batch(layer, x):
+            self._shapes[layer.name] = tuple(x.shape)
+            self._leave_alone(layer)
+            return
         if not self._accumulating and not self.pipeline.in_step:
             self._begin_pipeline_step()
         with span(f"A {layer.name}", FACTOR):
@@ -335,6 +384,23 @@ class KFAC:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             batch = batch_size(layer, x)
             output.register_hook(functools.partial(self._on_grad, layer, batch))
+
+    def _leave_alone(self, layer: KFACLayer) -> None:
+        """Drop a layer found unfit on the first step (before its factors have a slot)."""
+        self.layers.pop(layer.name, None)
+        self._acc.pop(factor_key(layer.name, FactorKind.A), None)
+        self._acc.pop(factor_key(layer.name, FactorKind.G), None)
+        self.stats.batch_shared.append(layer.name)
+        logger.warning(
+            "K-FAC leaves %s to the optimizer: it is looked up once for the whole batch "
+            "(input %s), so its output gradient arrives summed over the samples and its G "
+            "factor would depend on how the batch is split among workers",
+            layer.name,
+            "x".join(map(str, self._first_shape(layer))),
+        )
+
+    def _first_shape(self, layer: KFACLayer) -> tuple[int, ...]:
+        return self._shapes.get(layer.name, ())
 
     def _on_grad(self, layer: KFACLayer, batch: int, grad: torch.Tensor) -> None:
         with torch.no_grad(), span(f"G {layer.name}", FACTOR):
@@ -672,6 +738,19 @@ class KFAC:
         else:
             self.assignment = None
             self._ensure_assignment()
+
+
+def _shared_by_the_batch(layer: KFACLayer, x: torch.Tensor) -> bool:
+    """An embedding looked up with one row of several positions ([1, seq]): GPT-2's
+    position embedding, whose output is broadcast over every sequence of the batch.
+
+    Its hooks see only the batch-summed output gradient, never a sample's, so K-FAC's
+    per-sample G factor cannot be formed. (A genuine per-worker batch of one sequence
+    looks the same and is left alone too: the cost is one unpreconditioned embedding.)
+    """
+    return (
+        isinstance(layer, EmbeddingLayer) and x.dim() >= 2 and x.shape[0] == 1 and (x.shape[1] > 1)
+    )
 
 
 def batch_size(layer: KFACLayer, x: torch.Tensor) -> int:
