@@ -109,3 +109,45 @@ def test_unsupported_modules_get_no_adapter() -> None:
     frozen = nn.Linear(2, 2)
     frozen.requires_grad_(False)
     assert make_layer("f", frozen) is None
+
+
+class _MyLinear(nn.Module):
+    """A user's Linear-like layer that stock K-FAC does not know."""
+
+    def __init__(self, n_in: int, n_out: int, *, transposed: bool = False) -> None:
+        super().__init__()
+        self.transposed = transposed
+        shape = (n_in, n_out) if transposed else (n_out, n_in)
+        self.weight = nn.Parameter(torch.randn(*shape, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(n_out, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight if self.transposed else self.weight.t()
+        return x @ w + self.bias
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_registered_linear_like_layers_get_the_linear_adapter(transposed: bool) -> None:
+    from plait.kfac import register_layer_type, unregister_layer_type
+    from plait.kfac.layers import LinearLayer
+
+    module = _MyLinear(3, 4, transposed=transposed)
+    assert make_layer("m", module) is None
+    register_layer_type(_MyLinear, transposed=transposed)
+    try:
+        layer = make_layer("m", module)
+        assert isinstance(layer, LinearLayer) and layer.a_shape.dim == 4
+        x = torch.randn(5, 3, dtype=torch.float64)
+        out = module(x)
+        gout = torch.randn_like(out)
+        out.backward(gout)
+        want = layer.grad_matrix()
+        assert want is not None
+        rows = layer.g_rows(gout, 1).transpose(1, 2) @ layer.a_rows(x)
+        torch.testing.assert_close(rows, want)
+        layer.set_grad_matrix(2 * want)
+        torch.testing.assert_close(layer.grad_matrix(), 2 * want)
+    finally:
+        unregister_layer_type(_MyLinear)
+    with pytest.raises(ValueError, match=r"nn\.Module subclass"):
+        register_layer_type(int)  # type: ignore[arg-type]

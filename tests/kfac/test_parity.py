@@ -208,7 +208,7 @@ def test_reference_is_not_plain_sgd() -> None:
 
 
 def _lazy_resume(rank: int, world: int) -> tuple[Any, Any]:
-    spec = f"spd-kfac:{COMMON},sync=lazy,inv_interval=3"
+    spec = f"spd-kfac:{COMMON.replace('inv_interval=2', 'inv_interval=3')},sync=lazy"
 
     def run(steps: range, strategy: Any, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         xs, ys = _data("cnn")
@@ -248,12 +248,12 @@ def test_lazy_sync_resumes_exactly() -> None:
 
 def _placed(rank: int, world: int, local: str | None) -> dict[str, list[list[torch.Tensor]]]:
     """One model trained under several placements (`local`: a layer forced local)."""
-    from plait.kfac import preconditioner
+    from plait.kfac import placement
     from plait.kfac.layers import FactorKind
     from plait.kfac.placement import LOCAL, factor_key
 
     if local is not None:
-        assign = preconditioner.assign
+        assign = placement.assign
 
         def forced(*args: Any, **kwargs: Any) -> Any:
             asg = assign(*args, **kwargs)
@@ -262,7 +262,7 @@ def _placed(rank: int, world: int, local: str | None) -> dict[str, list[list[tor
                 asg.inv_rank[factor_key(local, kind)] = LOCAL
             return asg
 
-        preconditioner.assign = forced  # type: ignore[assignment]
+        placement.assign = forced
     out = {}
     for dist in ("mem-opt", "comm-opt"):
         spec = f"spd-kfac:{COMMON},distribution={dist},local_inversion=false"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 from typing import Any
 
@@ -80,13 +82,22 @@ def test_kl_clip_needs_a_learning_rate() -> None:
     KFAC(_mlp(), KFACConfig(kl_clip=None))  # no clipping, no learning rate needed
 
 
-def test_unhandled_modules_are_listed_and_left_alone() -> None:
+def test_unhandled_modules_are_listed_and_left_alone(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(8, 2),
                           nn.LayerNorm(2), nn.Conv1d(1, 1, 1))  # fmt: skip
-    with pytest.warns(UserWarning, match=r"BatchNorm2d x1 \(e.g. 1\).*LayerNorm x1.*Conv1d"):
+    with caplog.at_level(logging.INFO, logger="plait.kfac"):
         kfac = KFAC(model, KFACConfig(kl_clip=None))
     assert sorted(kfac.layers) == ["0", "3"]
+    lines = [r for r in caplog.records if "leaves these" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING  # Conv1d has a matrix
+    assert re.search(r"BatchNorm2d x1 \(e.g. 1\).*LayerNorm x1.*Conv1d", lines[0].getMessage())
+
+
+def test_a_model_without_a_supported_layer_is_a_value_error() -> None:
+    model = nn.Sequential(nn.Conv1d(1, 2, 3), nn.LayerNorm(2))
+    with pytest.raises(ValueError, match=r"no layer to precondition in Sequential.*Conv1d"):
+        KFAC(model, KFACConfig(kl_clip=None))
 
 
 def test_hooks_that_never_fire_do_not_break_the_step() -> None:
@@ -140,21 +151,29 @@ def test_accumulated_micro_batches_equal_one_batch() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_intervals_and_dry_run() -> None:
+def test_intervals() -> None:
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kfac = KFAC(model, KFACConfig(inv_interval=3, factor_interval=2), optimizer=opt)
     for s in range(6):
         _step(model, kfac, opt, s)
     assert kfac.stats.inversions == 2 * 4  # steps 0 and 3, four factors each
-    before = kfac.state_dict()
-    with kfac.dry_run():
-        x, y = _batch(9)
-        nn.functional.cross_entropy(model(x), y).backward()
-        kfac.step()
-    after = kfac.state_dict()
-    assert after["steps"] == before["steps"]
-    assert torch.equal(after["pipeline"]["running"], before["pipeline"]["running"])
+    assert [kfac.is_inversion_step(s) for s in range(4)] == [True, False, False, True]
+
+
+def test_remove_and_attach_detach_and_restore_the_hooks() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kfac = KFAC(model, KFACConfig(kl_clip=None))
+    kfac.remove()
+    x, y = _batch(0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    kfac.step()  # nothing captured: nothing discovered, gradients left as they are
+    assert not kfac.pipeline.discovered
+    kfac.attach()
+    opt.zero_grad()
+    _step(model, kfac, opt, 1)
+    assert kfac.pipeline.discovered and kfac.stats.inversions == 4
 
 
 def test_state_dict_resumes_exactly() -> None:

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from plait.kfac.config import KFACConfig
+from plait.kfac.costs import KFACCosts
 from plait.kfac.factors import Method
-from plait.kfac.layers import FactorKind, FactorShape, KFACLayer, make_layer
+from plait.kfac.layers import (
+    FactorKind,
+    FactorShape,
+    KFACLayer,
+    LinearLayer,
+    make_layer,
+    register_layer_type,
+    unregister_layer_type,
+)
 from plait.kfac.pipeline import FactorComm, FactorPipeline, FactorSync, PipelineConfig
 from plait.kfac.placement import Assignment, Distribution, PlacementPolicy, assign, lpt
 from plait.kfac.preconditioner import KFAC
@@ -19,11 +28,15 @@ __all__ = [
     "FactorShape",
     "FactorSync",
     "KFACConfig",
+    "KFACCosts",
     "KFACLayer",
+    "LinearLayer",
     "Method",
     "PipelineConfig",
     "PlacementPolicy",
     "assign",
     "lpt",
     "make_layer",
+    "register_layer_type",
+    "unregister_layer_type",
 ]

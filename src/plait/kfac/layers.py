@@ -1,4 +1,6 @@
-"""Kronecker-factor math of the layers K-FAC understands: Linear, Conv2d, Embedding.
+"""Kronecker-factor math of the layers K-FAC understands: Linear, Conv2d, Embedding, and
+every Linear-like layer: Hugging Face's ``Conv1D`` (GPT-2's projections, weight stored
+[in, out]) out of the box, and a user's own through `register_layer_type`.
 
 A layer's weight gradient is seen as a matrix ``M`` of shape [groups, g_dim, a_dim] (rows:
 output features, columns: input features plus a bias column). K-FAC approximates the Fisher
@@ -21,8 +23,10 @@ dense matrix when packing is off.
 
 from __future__ import annotations
 
+import functools
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -150,21 +154,58 @@ def _g_rows(grad: torch.Tensor, batch_size: int, groups: int) -> torch.Tensor:
 
 
 class LinearLayer(KFACLayer):
-    """``nn.Linear`` on inputs of any leading shape [..., in]."""
+    """``nn.Linear``, or any module computing ``y = x W^T + b`` on the last dimension of its
+    first input, for inputs of any leading shape [..., in].
 
-    module: nn.Linear
+    Args:
+        name: the module's qualified name.
+        module: a module with a 2-D ``weight`` parameter and an optional ``bias``.
+        transposed: the weight is stored [in, out] (``y = x W + b``, as Hugging Face's
+            ``Conv1D``) instead of [out, in].
 
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    Raises:
+        ValueError: the module has no 2-D ``weight`` or a bias of the wrong size.
+    """
+
+    def __init__(self, name: str, module: nn.Module, *, transposed: bool = False) -> None:
         super().__init__(name, module)
-        self.has_bias = module.bias is not None
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"{name or '<root>'} ({type(module).__name__}) is not Linear-like: it needs a "
+                "2-D weight parameter"
+            )
+        self.transposed = transposed
+        out_f, in_f = weight.shape[::-1] if transposed else weight.shape
+        self.in_features, self.out_features = int(in_f), int(out_f)
+        bias = getattr(module, "bias", None)
+        self.has_bias = isinstance(bias, torch.Tensor)
+        if self.has_bias and bias.numel() != self.out_features:  # type: ignore[union-attr]
+            raise ValueError(
+                f"{name or '<root>'} ({type(module).__name__}): bias of "
+                f"{bias.numel()} elements for {self.out_features} outputs"  # type: ignore[union-attr]
+            )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.module.bias if self.has_bias else None  # type: ignore[return-value]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        yield self.weight  # type: ignore[misc]
+        if self.bias is not None:
+            yield self.bias  # type: ignore[misc]
 
     @property
     def a_shape(self) -> FactorShape:
-        return FactorShape(dim=self.module.in_features + int(self.has_bias))
+        return FactorShape(dim=self.in_features + int(self.has_bias))
 
     @property
     def g_shape(self) -> FactorShape:
-        return FactorShape(dim=self.module.out_features)
+        return FactorShape(dim=self.out_features)
 
     def a_rows(self, inputs: torch.Tensor) -> torch.Tensor:
         rows = inputs.reshape(-1, inputs.shape[-1])
@@ -174,25 +215,22 @@ class LinearLayer(KFACLayer):
         return _g_rows(grad_output.reshape(-1, grad_output.shape[-1]), batch_size, 1)
 
     def grad_matrix(self) -> torch.Tensor | None:
-        w = self.module.weight.grad
+        w = self.weight.grad
         if w is None:
             return None
-        if self.has_bias:
-            bias = self.module.bias
-            assert bias is not None
-            b = torch.zeros_like(w[:, 0]) if bias.grad is None else bias.grad
-            w = torch.cat([w, b.unsqueeze(1)], dim=1)
+        if self.transposed:
+            w = w.t()
+        if self.bias is not None:
+            b = torch.zeros_like(w[:, 0]) if self.bias.grad is None else self.bias.grad
+            w = torch.cat([w, b.reshape(-1, 1)], dim=1)
         return w.unsqueeze(0)
 
     def set_grad_matrix(self, matrix: torch.Tensor) -> None:
         m = matrix[0]
-        weight = self.module.weight
-        if self.has_bias:
-            bias = self.module.bias
-            assert bias is not None
-            _assign_grad(bias, m[:, -1])
+        if self.bias is not None:
+            _assign_grad(self.bias, m[:, -1])
             m = m[:, :-1]
-        _assign_grad(weight, m)
+        _assign_grad(self.weight, m.t() if self.transposed else m)
 
 
 class Conv2dLayer(KFACLayer):
@@ -308,10 +346,72 @@ def _assign_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         param.grad.copy_(value.reshape(param.shape))
 
 
+#: Builds the adapter of one module: ``adapter(qualified_name, module)``.
+LayerAdapter = Callable[[str, nn.Module], KFACLayer]
+
+#: Layer types registered with `register_layer_type`, consulted before the built-ins.
+_LAYER_TYPES: dict[type[nn.Module], LayerAdapter] = {}
+
+
+def register_layer_type(
+    cls: type[nn.Module], adapter: LayerAdapter | None = None, *, transposed: bool = False
+) -> None:
+    """Teach K-FAC a layer type (for every `KFAC` built afterwards, in this process).
+
+    A Linear-like module (one computing ``y = x W^T + b`` on the last dimension of its
+    first input, with ``weight`` [out, in] and an optional ``bias`` [out]) needs only its
+    class; ``transposed=True`` says the weight is stored [in, out] (``y = x W + b``)::
+
+        plait.kfac.register_layer_type(MyLinear)
+        plait.kfac.register_layer_type(MyConv1D, transposed=True)
+
+    Anything else gives an `adapter`, a callable ``(name, module) -> KFACLayer`` (subclass
+    `KFACLayer`: its A and G rows, its gradient as a matrix and back). Subclasses of `cls`
+    are covered too; a later registration of the same class replaces the earlier one.
+    Register in the training script before building `KFAC`: under torchrun, every rank
+    runs it, so every rank registers the same layers.
+
+    Raises:
+        ValueError: `cls` is not an ``nn.Module`` subclass, or `adapter` is not callable.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"register_layer_type needs an nn.Module subclass, got {cls!r}")
+    if adapter is not None and not callable(adapter):
+        raise ValueError(f"the adapter for {cls.__name__} must be callable, got {adapter!r}")
+    _LAYER_TYPES[cls] = adapter or functools.partial(LinearLayer, transposed=transposed)
+
+
+def unregister_layer_type(cls: type[nn.Module]) -> None:
+    """Forget a type given to `register_layer_type` (no error if it was not registered)."""
+    _LAYER_TYPES.pop(cls, None)
+
+
+def _registered(module: nn.Module) -> LayerAdapter | None:
+    for cls in type(module).__mro__:
+        adapter = _LAYER_TYPES.get(cls)
+        if adapter is not None:
+            return adapter
+    # Hugging Face's Conv1D (GPT-2 family): a Linear with its weight stored [in, out].
+    # Looked up where transformers defines it, only when transformers is imported: a
+    # model holding one cannot exist otherwise, and plait does not depend on transformers.
+    hf = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(hf, "Conv1D", None)
+    if isinstance(conv1d, type) and isinstance(module, conv1d):
+        return functools.partial(LinearLayer, transposed=True)
+    return None
+
+
 def make_layer(name: str, module: nn.Module) -> KFACLayer | None:
-    """The adapter for `module`, or None when K-FAC cannot handle it."""
+    """The adapter for `module`, or None when K-FAC cannot handle it.
+
+    Registered types (`register_layer_type`) come first, then Hugging Face's ``Conv1D``,
+    then the built-ins ``nn.Linear``, ``nn.Conv2d`` and (non-sparse) ``nn.Embedding``.
+    """
     if not any(p.requires_grad for p in module.parameters(recurse=False)):
         return None
+    adapter = _registered(module)
+    if adapter is not None:
+        return adapter(name, module)
     if isinstance(module, nn.Linear):
         return LinearLayer(name, module)
     if isinstance(module, nn.Conv2d):

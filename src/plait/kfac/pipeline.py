@@ -143,6 +143,24 @@ class _StepState:
     next_bucket: int = 0
 
 
+def bucket_plan(
+    config: PipelineConfig, items: list[FusionItem], *, cost: AlphaBeta, world: int
+) -> Plan:
+    """The buckets `config.comm` makes of the factors `items` (in ready order).
+
+    A pure function of its arguments, so every rank that agrees on the ready times makes
+    the same plan, and the decision can be checked for any link and world size by hand.
+    """
+    if config.comm is FactorComm.AFTER_BACKWARD:
+        plan: Plan = [[i] for i in range(len(items))]
+    elif config.comm is FactorComm.STATIC:
+        plan = ThresholdPlanner(threshold_bytes=int(config.bucket_cap_mb * 1e6)).plan(items)
+    else:
+        plan = ReadyTimePlanner(cost=cost, world=world).plan(items)
+    check_plan(plan, len(items))
+    return plan
+
+
 class FactorPipeline:
     """Storage, fusion and communication of one model's factors; see the module docstring.
 
@@ -430,14 +448,7 @@ class FactorPipeline:
         ]
 
     def _make_plan(self, ready_s: list[float]) -> None:
-        items = self.items(ready_s)
-        if self.cfg.comm is FactorComm.AFTER_BACKWARD:
-            plan: Plan = [[i] for i in range(len(items))]
-        elif self.cfg.comm is FactorComm.STATIC:
-            plan = ThresholdPlanner(threshold_bytes=int(self.cfg.bucket_cap_mb * 1e6)).plan(items)
-        else:
-            plan = ReadyTimePlanner(cost=self.cost, world=self.world).plan(items)
-        check_plan(plan, len(items))
+        plan = bucket_plan(self.cfg, self.items(ready_s), cost=self.cost, world=self.world)
         self.plan = plan
         self._planned_ready = list(ready_s)
         self._buckets = []

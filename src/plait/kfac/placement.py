@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from plait.kfac.layers import FactorKind
+from plait.comm.stats import Collective
+from plait.kfac.costs import KFACCosts
+from plait.kfac.factors import Method, second_order_numel
+from plait.kfac.layers import FactorKind, KFACLayer
 
 #: `Assignment.inv_rank` value of a factor that every (grad) worker inverts itself.
 LOCAL = -1
@@ -291,3 +294,92 @@ def choose_distribution(
     if best == 1:
         return Distribution.MEM_OPT, 1
     return Distribution.HYBRID, best
+
+
+def layer_work(layer: KFACLayer, *, method: Method, packed: bool, costs: KFACCosts) -> LayerWork:
+    """The placement's view of one layer, priced with `costs`."""
+    works = [
+        FactorWork(
+            layer=layer.name,
+            kind=kind,
+            inverse_s=costs.inverse_s_per_n3 * layer.shape(kind).inverse_cost,
+            result_bytes=4 * second_order_numel(method, layer.shape(kind), packed=packed),
+        )
+        for kind in (FactorKind.A, FactorKind.G)
+    ]
+    return LayerWork(
+        name=layer.name,
+        a=works[0],
+        g=works[1],
+        grad_bytes=4 * layer.grad_numel,
+        precondition_s=costs.flop_s * precondition_flops(layer, method),
+    )
+
+
+def precondition_flops(layer: KFACLayer, method: Method) -> float:
+    """Matmul flops of preconditioning one layer's gradient."""
+    a, g = layer.a_shape, layer.g_shape
+    na, ng = float(a.dim), float(g.dim)
+    flops = 2 * g.groups * (ng * ng * na + (0.0 if a.diagonal else ng * na * na))
+    return 2 * flops if method is Method.EIGEN else flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """What `plan_placement` decided: the distribution and the assignment under it."""
+
+    distribution: Distribution
+    assignment: Assignment
+
+
+def plan_placement(
+    layers: Sequence[KFACLayer],
+    *,
+    world: int,
+    costs: KFACCosts,
+    method: Method,
+    packed: bool,
+    policy: PlacementPolicy,
+    distribution: Distribution,
+    group_size: int | None = None,
+    local_inversion: bool = True,
+    inv_interval: int = 1,
+) -> Placement:
+    """Price the layers with `costs` and place them on `world` workers.
+
+    A pure function of its arguments (no process group, no clock), so every rank that
+    holds the same costs computes the same placement, and a test can check the decisions
+    for any world size and any network by handing in the costs.
+
+    Args:
+        layers: the layers in a fixed order (the same on every rank).
+        world: number of workers.
+        costs: link and compute prices.
+        method: the decomposition (its result sizes and preconditioning cost differ).
+        packed: whether inverse-method results travel as triangles.
+        policy: round-robin, greedy or lpt.
+        distribution: comm-opt, mem-opt, hybrid, or auto (the cheapest under `costs`).
+        group_size: hybrid block size (None: half the world).
+        local_inversion: let every worker invert what is cheaper than receiving it.
+        inv_interval: steps between inversions.
+    """
+    works = [layer_work(layer, method=method, packed=packed, costs=costs) for layer in layers]
+
+    def broadcast_s(nbytes: int, ranks: int) -> float:
+        return costs.link.time(Collective.BROADCAST, nbytes, ranks)
+
+    size = group_size
+    if distribution is Distribution.AUTO:
+        distribution, size = choose_distribution(
+            works, world=world, broadcast_s=broadcast_s, inv_interval=inv_interval
+        )
+    asg = assign(
+        works,
+        world=world,
+        policy=policy,
+        distribution=distribution,
+        group_size=size,
+        broadcast_s=broadcast_s if local_inversion else None,
+        inv_interval=inv_interval,
+    )
+    return Placement(distribution=distribution, assignment=asg)

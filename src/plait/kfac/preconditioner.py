@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import logging
 import time
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import ops
-from plait.comm.cost import AlphaBeta
-from plait.comm.stats import Collective
 from plait.distributed import new_group
 from plait.kfac.config import KFACConfig, check_value
+from plait.kfac.costs import KFACCosts
 from plait.kfac.factors import (
     InverseForm,
     Method,
@@ -51,7 +50,6 @@ from plait.kfac.layers import (
     Conv2dLayer,
     EmbeddingLayer,
     FactorKind,
-    FactorShape,
     KFACLayer,
     make_layer,
 )
@@ -60,14 +58,13 @@ from plait.kfac.placement import (
     LOCAL,
     Assignment,
     Distribution,
-    FactorWork,
-    LayerWork,
     PlacementPolicy,
-    assign,
-    choose_distribution,
     factor_key,
+    plan_placement,
 )
 from plait.trace import FACTOR, INVERSE, PRECONDITION, span
+
+logger = logging.getLogger(__name__)
 
 #: An explicit inverse of side n pays once ``uses * m >= EXPLICIT_PAYOFF * n`` (m: the partner
 #: side it is multiplied with). From the per-layer kernel tables on one core
@@ -111,6 +108,8 @@ class KFACStats:
     broadcasts: int = 0
     steps: int = 0
     unhandled: list[str] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)
+    batch_shared: list[str] = field(default_factory=list)
 
 
 class KFAC:
@@ -121,9 +120,15 @@ class KFAC:
         config: hyper-parameters and mechanics (defaults: SPD-KFAC's).
         optimizer: the optimizer whose learning rate KL clipping uses when `config.lr` is None.
         group: process group of the data-parallel workers (None: the default group).
+        costs: the link and compute prices that placement and fusion are decided from
+            (`KFACCosts`: measured, loaded from a file or given by hand). None measures
+            them on the group at construction (collective; the links only when
+            `config.probe`). Given costs make the construction free of timing, and on one
+            process free of any collective.
 
     Raises:
-        ValueError: invalid hyper-parameters, or KL clipping without a learning rate.
+        ValueError: invalid hyper-parameters, a model without a layer K-FAC supports,
+            or KL clipping without a learning rate.
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class KFAC:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         group: Any = None,
+        costs: KFACCosts | None = None,
     ) -> None:
         self.cfg = config or KFACConfig()
         self.optimizer = optimizer
@@ -151,8 +157,11 @@ class KFAC:
             ranks = self._ranks or list(range(self.world))
             self.group = new_group(ranks)
             self._groups[tuple(range(self.world))] = self.group
-        self.cost = self._measure_links()
-        self.inverse_rate_s, self.flop_s = self._measure_compute()
+        if costs is not None and not isinstance(costs, KFACCosts):
+            raise ValueError(f"costs must be a KFACCosts, got {type(costs).__name__}")
+        self.costs = costs or KFACCosts.measure(
+            self.group, method=Method(self.cfg.method), probe_links=self.cfg.probe
+        )
         self.distribution: Distribution | None = None
         pipe_cfg = PipelineConfig(
             comm=FactorComm(self.cfg.comm),
@@ -162,7 +171,7 @@ class KFAC:
             bucket_cap_mb=self.cfg.bucket_cap_mb,
             replan_every=self.cfg.replan_every,
         )
-        self.pipeline = FactorPipeline(pipe_cfg, group=self.group, cost=self.cost)
+        self.pipeline = FactorPipeline(pipe_cfg, group=self.group, cost=self.costs.link)
         self.assignment: Assignment | None = None
         self.steps = 0
         self._acc: dict[str, _Acc] = {}
@@ -172,20 +181,36 @@ class KFAC:
         self._ready: set[str] = set()  # layers with both decompositions (rank-consistent)
         self._micro = 0
         self._accumulating = False
-        self._dry = False
-        self._handles = [
-            layer.module.register_forward_hook(functools.partial(self._on_forward, layer))
-            for layer in self.layers.values()
-        ]
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._handles: list[Any] = []
+        self.attach()
 
     # ------------------------------------------------------------------ set-up
     def _register(self, module: nn.Module) -> dict[str, KFACLayer]:
+        """The layers to precondition; what is left alone is logged once, in one line.
+
+        A parameter shared by two modules (tied input and output embeddings) is left to
+        the optimizer: its Fisher block is the sum of one Kronecker product per use, and no
+        single pair of factors represents that sum. Either module's pair alone would treat
+        the other use's curvature as absent (and registering both would precondition one
+        gradient twice and keep only the last result). The exact inverse of the sum needs
+        decompositions of both vocabulary-sized sides, the very factor that makes an
+        output-embedding K-FAC impractical; plain gradients for that one matrix are exact.
+
+        Raises:
+            ValueError: no module of the model is one K-FAC can precondition.
+        """
         layers: dict[str, KFACLayer] = {}
         unhandled: Counter[str] = Counter()
         examples: dict[str, str] = {}
+        matrices = False  # a weight matrix is among the modules left alone
+        owners: dict[int, list[str]] = {}
         for name, sub in module.named_modules():
-            if not any(p.requires_grad for p in sub.parameters(recurse=False)):
+            params = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+            if not params:
                 continue
+            for p in params:
+                owners.setdefault(id(p), []).append(name or "<root>")
             cls = type(sub).__name__
             if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(cls, pat)
                    for pat in self.cfg.skip_layers):  # fmt: skip
@@ -194,16 +219,36 @@ class KFAC:
             if layer is None:
                 unhandled[cls] += 1
                 examples.setdefault(cls, name or "<root>")
+                matrices = matrices or any(p.dim() >= 2 for p in params)
                 continue
             layers[name] = layer
-        if unhandled:
-            self.stats.unhandled = sorted(unhandled)
-            listing = ", ".join(
-                f"{cls} x{n} (e.g. {examples[cls]})" for cls, n in unhandled.items()
+        shared = sorted(
+            {
+                " & ".join(owners[id(p)])
+                for layer in layers.values()
+                for p in layer.parameters()
+                if len(owners[id(p)]) > 1
+            }
+        )
+        for group in shared:
+            for name in group.split(" & "):
+                layers.pop("" if name == "<root>" else name, None)
+        if not layers:
+            raise ValueError(
+                f"K-FAC found no layer to precondition in {type(module).__name__}: it "
+                "handles nn.Linear, nn.Conv2d, nn.Embedding and transformers' Conv1D"
+                + (f" (left alone: {', '.join(sorted(unhandled))})" if unhandled else "")
+                + "; register a Linear-like layer with plait.kfac.register_layer_type"
             )
-            warnings.warn(
-                f"K-FAC leaves these modules to the optimizer, unpreconditioned: {listing}",
-                stacklevel=3,
+        self.stats.unhandled = sorted(unhandled)
+        self.stats.shared = shared
+        if unhandled or shared:
+            parts = [f"{cls} x{n} (e.g. {examples[cls]})" for cls, n in unhandled.items()]
+            parts += [f"weight shared by {group}" for group in shared]
+            logger.log(
+                logging.WARNING if matrices or shared else logging.INFO,
+                "K-FAC leaves these to the optimizer, unpreconditioned: %s",
+                ", ".join(parts),
             )
         return layers
 
@@ -234,37 +279,6 @@ class KFAC:
             raise ValueError(f"grad_workers={size} must divide the world size {self.world}")
         return size
 
-    def _measure_links(self) -> AlphaBeta:
-        if self.world <= 1 or not self.cfg.probe:
-            return AlphaBeta.from_rate(1e9)
-        from plait.comm.probe import probe_allreduce
-
-        sizes = (16 * 1024, 128 * 1024, 1024 * 1024)
-        return probe_allreduce(sizes=sizes, repeats=2, group=self.group).model
-
-    def _measure_compute(self) -> tuple[float, float]:
-        """Seconds per n^3 of a decomposition and per matmul flop, agreed over ranks."""
-        n = 256
-        x = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
-        spd = x @ x.T / n + torch.eye(n)
-        shape = FactorShape(dim=n)
-
-        def timed(fn: Callable[[], Any]) -> float:
-            fn()
-            t0 = time.perf_counter()
-            for _ in range(3):
-                fn()
-            return (time.perf_counter() - t0) / 3
-
-        method = Method(self.cfg.method)
-        inv = timed(lambda: decompose(spd, shape, method=method, damping=1e-3, packed=False))
-        mm = timed(lambda: x @ spd)
-        rates = torch.tensor([inv / n**3, mm / (2 * n**3)], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(rates, group=self.group)
-            rates /= self.world
-        return float(rates[0]), float(rates[1])
-
     def _explicit(self, slot: Slot, step: int) -> bool:
         """Whether the inverse method keeps this factor as an explicit inverse.
 
@@ -285,13 +299,26 @@ class KFAC:
         uses = int(self._at("inv_interval", step))
         return uses * partner >= EXPLICIT_PAYOFF * slot.shape.dim
 
+    def attach(self) -> None:
+        """Install the factor hooks (done by the constructor; again after `remove`)."""
+        if self._handles:
+            return
+        self._handles = [
+            layer.module.register_forward_hook(functools.partial(self._on_forward, layer))
+            for layer in self.layers.values()
+        ]
+
     def remove(self) -> None:
-        """Detach the hooks (the model is left as it was)."""
+        """Detach the hooks (the model is left as it was; `attach` puts them back)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
     # ------------------------------------------------------------------ schedule
+    def at(self, name: str, step: int) -> Any:
+        """Hyper-parameter `name` (a `KFACConfig` field) at `step`, validated."""
+        return self._at(name, step)
+
     def _at(self, name: str, step: int) -> Any:
         checks = {
             "damping": {"low": 0.0, "low_open": True},
@@ -333,16 +360,6 @@ class KFAC:
             for acc in self._acc.values():
                 acc.uses_now = 0
 
-    @contextlib.contextmanager
-    def dry_run(self) -> Iterator[None]:
-        """A step that computes everything this worker would, communicates nothing and
-        leaves the state untouched (the benchmark's compute-only reference)."""
-        self._dry = True
-        try:
-            yield
-        finally:
-            self._dry = False
-
     # ------------------------------------------------------------------ hooks
     def _capturing(self, module: nn.Module) -> bool:
         return module.training and torch.is_grad_enabled() and self._is_factor_step(self.steps)
@@ -352,15 +369,38 @@ class KFAC:
     ) -> None:
         if not inputs or not isinstance(inputs[0], torch.Tensor) or not self._capturing(module):
             return
+        if layer.name not in self.layers:  # left alone on the first step
+            return
         x = inputs[0].detach()
-        if not self._dry and not self._accumulating and not self.pipeline.in_step:
+        if not self.pipeline.discovered and _shared_by_the_batch(layer, x):
+            self._shapes[layer.name] = tuple(x.shape)
+            self._leave_alone(layer)
+            return
+        if not self._accumulating and not self.pipeline.in_step:
             self._begin_pipeline_step()
         with span(f"A {layer.name}", FACTOR):
             total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed)
         self._add(layer, FactorKind.A, total, rows)
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            batch = _batch_size(layer, x)
+            batch = batch_size(layer, x)
             output.register_hook(functools.partial(self._on_grad, layer, batch))
+
+    def _leave_alone(self, layer: KFACLayer) -> None:
+        """Drop a layer found unfit on the first step (before its factors have a slot)."""
+        self.layers.pop(layer.name, None)
+        self._acc.pop(factor_key(layer.name, FactorKind.A), None)
+        self._acc.pop(factor_key(layer.name, FactorKind.G), None)
+        self.stats.batch_shared.append(layer.name)
+        logger.warning(
+            "K-FAC leaves %s to the optimizer: it is looked up once for the whole batch "
+            "(input %s), so its output gradient arrives summed over the samples and its G "
+            "factor would depend on how the batch is split among workers",
+            layer.name,
+            "x".join(map(str, self._first_shape(layer))),
+        )
+
+    def _first_shape(self, layer: KFACLayer) -> tuple[int, ...]:
+        return self._shapes.get(layer.name, ())
 
     def _on_grad(self, layer: KFACLayer, batch: int, grad: torch.Tensor) -> None:
         with torch.no_grad(), span(f"G {layer.name}", FACTOR):
@@ -374,8 +414,6 @@ class KFAC:
         self.pipeline.begin_step(communicate=communicate, decay=decay)
 
     def _add(self, layer: KFACLayer, kind: FactorKind, total: torch.Tensor, rows: int) -> None:
-        if self._dry:
-            return
         key = factor_key(layer.name, kind)
         acc = self._acc.get(key)
         if acc is None:
@@ -411,9 +449,6 @@ class KFAC:
     @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients in place; call after backward, before optimizer.step()."""
-        if self._dry:
-            self._dry_step()
-            return
         t = self.steps
         inv_step = self._is_inv_step(t)
         self._finalize_all()
@@ -444,50 +479,29 @@ class KFAC:
     def _ensure_assignment(self) -> None:
         if self.assignment is not None or not self.pipeline.discovered:
             return
-        layers = []
-        for name, layer in self.layers.items():
-            a, g = factor_key(name, FactorKind.A), factor_key(name, FactorKind.G)
-            if not (self.pipeline.has(a) and self.pipeline.has(g)):
-                continue
-            works = [
-                FactorWork(
-                    layer=name,
-                    kind=kind,
-                    inverse_s=self.inverse_rate_s * layer.shape(kind).inverse_cost,
-                    result_bytes=4
-                    * second_order_numel(
-                        Method(self.cfg.method), layer.shape(kind), packed=self.cfg.packed
-                    ),
-                )
-                for kind in (FactorKind.A, FactorKind.G)
-            ]
-            layers.append(LayerWork(name=name, a=works[0], g=works[1],
-                                    grad_bytes=4 * layer.grad_numel,
-                                    precondition_s=self.flop_s * _precondition_flops(
-                                        layer, Method(self.cfg.method))))  # fmt: skip
-
-        def broadcast_s(nbytes: int, ranks: int) -> float:
-            return self.cost.time(Collective.BROADCAST, nbytes, ranks)
-
-        interval = int(self._at("inv_interval", self.steps))
+        layers = [
+            layer
+            for name, layer in self.layers.items()
+            if self.pipeline.has(factor_key(name, FactorKind.A))
+            and self.pipeline.has(factor_key(name, FactorKind.G))
+        ]
         distribution = Distribution(self.cfg.distribution)
-        size = None
-        if distribution is Distribution.AUTO:
-            distribution, size = choose_distribution(
-                layers, world=self.world, broadcast_s=broadcast_s, inv_interval=interval
-            )
-        self.distribution = distribution
-        size = size or self._group_size()
-        self._make_groups(size)
-        self.assignment = assign(
+        size = None if distribution is Distribution.AUTO else self._group_size()
+        placement = plan_placement(
             layers,
             world=self.world,
+            costs=self.costs,
+            method=Method(self.cfg.method),
+            packed=self.cfg.packed,
             policy=PlacementPolicy(self.cfg.placement),
             distribution=distribution,
             group_size=size,
-            broadcast_s=broadcast_s if self.cfg.local_inversion else None,
-            inv_interval=interval,
+            local_inversion=self.cfg.local_inversion,
+            inv_interval=int(self._at("inv_interval", self.steps)),
         )
+        self.distribution = placement.distribution
+        self._make_groups(placement.assignment.group_size)
+        self.assignment = placement.assignment
 
     def _group(self, ranks: tuple[int, ...]) -> Any:
         return self._groups[ranks]
@@ -609,38 +623,56 @@ class KFAC:
                 for layer, p, _ in pairs:
                     layer.set_grad_matrix(p)
 
-    def _dry_step(self) -> None:
-        """What `step` computes on this worker, without communication or state changes."""
-        self._acc.clear()
+    # ------------------------------------------------------------------ parts of a step
+    # What one worker computes in a step, for callers that run it in pieces (the trainer's
+    # compute-only reference times these without any communication or state change).
+    def is_inversion_step(self, step: int) -> bool:
+        """Whether `step` decomposes the factors (every `inv_interval` steps)."""
+        return self._is_inv_step(step)
+
+    def inversions_here(self) -> list[Slot]:
+        """The factors this worker decomposes itself (its own and the local ones)."""
         asg = self.assignment
         if asg is None:
-            return
-        t = max(self.steps - 1, 0)
-        if self._is_inv_step(t):
-            damping = float(self._at("damping", t))
-            for s in self.pipeline.slots:
-                owner = asg.inv_rank.get(s.key)
-                if owner in (LOCAL, self.rank) and self.pipeline.is_initialized(s.key):
-                    with span(f"inverse {s.key}", INVERSE, n=s.shape.dim):
-                        decompose(self.pipeline.factor_upper(s.key), s.shape,
-                                  method=Method(self.cfg.method), damping=damping,
-                                  packed=self.cfg.packed,
-                                  explicit=self._explicit(s, t))  # fmt: skip
-        pairs = []
+            return []
+        return [
+            s
+            for s in self.pipeline.slots
+            if asg.inv_rank.get(s.key) in (LOCAL, self.rank) and self.pipeline.is_initialized(s.key)
+        ]
+
+    def decompose(self, slot: Slot, step: int) -> SecondOrder:
+        """Decompose one factor's running average as `step` would; nothing is stored."""
+        with span(f"inverse {slot.key}", INVERSE, n=slot.shape.dim):
+            return decompose(
+                self.pipeline.factor_upper(slot.key),
+                slot.shape,
+                method=Method(self.cfg.method),
+                damping=float(self._at("damping", step)),
+                packed=self.cfg.packed,
+                explicit=self._explicit(slot, step),
+            )
+
+    def held_decompositions(self) -> list[tuple[KFACLayer, SecondOrder, SecondOrder]]:
+        """The layers this worker preconditions whose decompositions it already holds."""
+        asg = self.assignment
+        if asg is None:
+            return []
+        out = []
         for name in asg.layer_rank:
             if name not in self._ready or self.rank not in asg.grad_workers(name):
                 continue
-            a_key, g_key = factor_key(name, FactorKind.A), factor_key(name, FactorKind.G)
-            if a_key not in self._second or g_key not in self._second:
-                continue
-            layer = self.layers[name]
-            grad = layer.grad_matrix()
-            if grad is None:
-                continue
-            with span(f"precondition {name}", PRECONDITION):
-                p = precondition(grad, self._second[a_key], self._second[g_key])
-            pairs.append((layer, p, grad))
-        self._write(pairs, t)
+            a = self._second.get(factor_key(name, FactorKind.A))
+            g = self._second.get(factor_key(name, FactorKind.G))
+            if a is not None and g is not None:
+                out.append((self.layers[name], a, g))
+        return out
+
+    def write_gradients(
+        self, pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]], step: int
+    ) -> None:
+        """Write preconditioned gradients (layer, preconditioned, raw), KL-clipped together."""
+        self._write(pairs, step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *, include_factors: bool = True) -> dict[str, Any]:
@@ -708,15 +740,20 @@ class KFAC:
             self._ensure_assignment()
 
 
-def _precondition_flops(layer: KFACLayer, method: Method) -> float:
-    """Matmul flops of preconditioning one layer's gradient."""
-    a, g = layer.a_shape, layer.g_shape
-    na, ng = float(a.dim), float(g.dim)
-    flops = 2 * g.groups * (ng * ng * na + (0.0 if a.diagonal else ng * na * na))
-    return 2 * flops if method is Method.EIGEN else flops
+def _shared_by_the_batch(layer: KFACLayer, x: torch.Tensor) -> bool:
+    """An embedding looked up with one row of several positions ([1, seq]): GPT-2's
+    position embedding, whose output is broadcast over every sequence of the batch.
+
+    Its hooks see only the batch-summed output gradient, never a sample's, so K-FAC's
+    per-sample G factor cannot be formed. (A genuine per-worker batch of one sequence
+    looks the same and is left alone too: the cost is one unpreconditioned embedding.)
+    """
+    return (
+        isinstance(layer, EmbeddingLayer) and x.dim() >= 2 and x.shape[0] == 1 and (x.shape[1] > 1)
+    )
 
 
-def _batch_size(layer: KFACLayer, x: torch.Tensor) -> int:
+def batch_size(layer: KFACLayer, x: torch.Tensor) -> int:
     """Samples the layer's mean loss is taken over: the leading dimension of batched input."""
     if isinstance(layer, Conv2dLayer):
         return int(x.shape[0]) if x.dim() == 4 else 1

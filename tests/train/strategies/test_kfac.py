@@ -56,3 +56,38 @@ def test_trainer_runs_spd_kfac_on_digits(tmp_path: object) -> None:
         assert state["kfac"]["steps"] == 30 and "second_order" in state["kfac"]
     finally:
         trainer.close()
+
+
+def test_compute_only_step_leaves_the_state_as_it_was() -> None:
+    """The benchmark's compute-only reference: factors, decompositions and preconditioning
+    are computed, but K-FAC's step counter and running factors do not move."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    strategy = make_strategy("spd-kfac:inv_interval=3,factor_interval=2,probe=false")
+    assert isinstance(strategy, KFACStrategy)
+    model = strategy.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy.attach_optimizer(opt)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for _ in range(4):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        strategy.before_optimizer_step(model)
+        opt.step()
+    kfac = strategy.kfac
+    assert kfac is not None
+    before = kfac.state_dict()
+    opt.zero_grad()
+    with strategy.compute_only(model):
+        nn.functional.cross_entropy(model(x), y).backward()
+        raw = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        strategy.before_optimizer_step(model)
+    after = kfac.state_dict()
+    assert after["steps"] == before["steps"] == 4
+    assert torch.equal(after["pipeline"]["running"], before["pipeline"]["running"])
+    # the gradients were preconditioned all the same (the work being timed)
+    now = [p.grad for p in model.parameters()]
+    assert any(g is not None and not torch.equal(r, g) for r, g in zip(raw, now, strict=True))
+    strategy.close()
