@@ -82,7 +82,7 @@ class _Runner:
     local_batch: int
 
 
-class Phase(StrEnum):
+class StepKind(StrEnum):
     """The two turns a strategy gets per round."""
 
     STEP = "step"  # the synchronous step: compute and communication
@@ -188,12 +188,12 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
         runners.append(_Runner(spec=s, strategy=strategy, model=model, optimizer=opt,
                                local_batch=local))  # fmt: skip
 
-    def measure(turn: Turn[tuple[int, Phase]]) -> StepSample:
+    def measure(turn: Turn[tuple[int, StepKind]]) -> StepSample:
         index, phase = turn.contestant
         r = runners[index]
         x, y = _round_batch(x_all, y_all, turn.round, r.local_batch, device)
         pdist.barrier()
-        if phase is Phase.COMPUTE:
+        if phase is StepKind.COMPUTE:
             with Stopwatch() as sw, r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
                 _step(r, x, y, wl.loss, phase=phase.value)
             return StepSample(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
@@ -210,7 +210,7 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
             nic_bytes=None if tx0 is None or tx1 is None else tx1 - tx0,
         )
 
-    contestants = [(i, phase) for phase in Phase for i in range(len(runners))]
+    contestants = [(i, phase) for phase in StepKind for i in range(len(runners))]
     bar = None
     if pdist.rank() == 0:
         from tqdm import tqdm
@@ -237,8 +237,8 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
     records = [
         _summarise(
             r,
-            kept[i, Phase.STEP],
-            kept[i, Phase.COMPUTE],
+            kept[i, StepKind.STEP],
+            kept[i, StepKind.COMPUTE],
             spec=spec,
             world=world,
             batch=batch,
