@@ -11,6 +11,7 @@ import pytest
 from plait.fused.sweep import (
     OptimizerKind,
     PrunerKind,
+    SamplerKind,
     SearchSpace,
     SweepConfig,
     SweepTask,
@@ -53,9 +54,9 @@ def test_non_fusible_values_never_share_an_array(tmp_path: Path) -> None:
         epochs=1,
         storage=f"sqlite:///{tmp_path / 'db'}",
         max_models=8,
-        sampler="random",
+        sampler=SamplerKind.RANDOM,
         progress=False,
-    )  # type: ignore[arg-type]
+    )
     result = run_sweep(small_task(batch_sizes=(16, 64)), cfg)
     arrays: dict[int, set[int]] = {}
     for r in result.records:
@@ -145,7 +146,7 @@ def test_a_user_workload_space_optimizer_sampler_and_pruner(tmp_path: Path) -> N
     sampler = optuna.samplers.RandomSampler(seed=3)
     pruner = optuna.pruners.NopPruner()
     cfg = SweepConfig(trials=4, epochs=1, storage=f"sqlite:///{tmp_path / 'db'}", max_models=4,
-                      optimizer="adam", sampler=sampler, pruner=pruner,
+                      optimizer=OptimizerKind.ADAM, sampler=sampler, pruner=pruner,
                       progress=False)  # fmt: skip
     task = sweep_task(f"{tmp_path / 'toy.py'}:workload", fusible=("dropout",))
     result = run_sweep(task, cfg, space=space)
