@@ -302,10 +302,39 @@ def _add_sweep_parser(sub: Any) -> None:
         "report each trial's validation accuracy per epoch (pruned trials leave their "
         "array), tell Optuna the results.",
     )
-    s.add_argument("--task", default="digits-cnn", help="digits-cnn or digits-mlp")
+    s.add_argument(
+        "--workload",
+        "--task",
+        dest="workload",
+        default="digits-cnn",
+        help="the workload to sweep: a registry name (digits-cnn, digits-mlp, "
+        "digits-transformer, ...) or a factory pkg.module:factory or "
+        "path/to/file.py:factory (--task is the earlier name)",
+    )
+    s.add_argument(
+        "--space",
+        default=None,
+        help="the search space: a suggest(trial) -> dict function "
+        "(pkg.module:func or path/to/file.py:func) or a .json/.toml spec "
+        "file; replaces --lr, --weight-decay, --momentum, --batch-sizes "
+        "and --widths",
+    )
+    s.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=["sgd", "adam", "adamw", "rmsprop", "adagrad"],
+        help="the fused optimizer of every trial; its options (lr, momentum, "
+        "betas, eps, ...) come per trial from the space",
+    )
+    s.add_argument(
+        "--fusible",
+        default="",
+        help="model options that may differ inside one array because they "
+        "change no shape, comma-separated (e.g. dropout)",
+    )
     s.add_argument("--trials", type=int, default=32, help="trials in the study (all processes)")
     s.add_argument("--epochs", type=int, default=10, help="epochs per trial")
-    s.add_argument("--study", default=None, help="Optuna study name (default: the task)")
+    s.add_argument("--study", default=None, help="Optuna study name (default: the workload's)")
     s.add_argument("--storage", default=None,
                    help="Optuna storage URL (default sqlite:///runs/plait-sweeps.db; "
                         "e.g. postgresql://... to share a sweep between machines)")  # fmt: skip
@@ -317,14 +346,38 @@ def _add_sweep_parser(sub: Any) -> None:
                         "(default: half of free)")  # fmt: skip
     s.add_argument("--pruner", default="median", choices=["median", "asha", "none"])
     s.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
-    s.add_argument("--lr", type=_floats, default=(1e-3, 1.0), help="learning-rate range LO,HI")
-    s.add_argument("--weight-decay", type=_floats, default=(1e-6, 1e-2),
-                   help="weight-decay range LO,HI")  # fmt: skip
-    s.add_argument("--momentum", type=float, default=0.9)
-    s.add_argument("--batch-sizes", type=_ints, default=(32,),
-                   help="batch-size choices (non-fusible: one array per value)")  # fmt: skip
-    s.add_argument("--widths", type=_ints, default=(8,),
-                   help="model-width choices (non-fusible: one array per value)")  # fmt: skip
+    s.add_argument(
+        "--lr",
+        type=_floats,
+        default=None,
+        help="learning-rate range LO,HI (default: 1e-3,1 for sgd and adagrad, "
+        "1e-4,0.1 for adam, adamw and rmsprop)",
+    )
+    s.add_argument(
+        "--weight-decay",
+        type=_floats,
+        default=None,
+        help="weight-decay range LO,HI (default 1e-6,1e-2)",
+    )
+    s.add_argument(
+        "--momentum",
+        type=float,
+        default=None,
+        help="fixed momentum of sgd (default 0.9) or rmsprop (default 0)",
+    )
+    s.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        default=None,
+        help="batch-size choices (non-fusible: one array per value; default 32)",
+    )
+    s.add_argument(
+        "--widths",
+        type=_ints,
+        default=None,
+        help="model-width choices (non-fusible: one array per value; default: "
+        "the workload's own width)",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--threads", type=int, default=None, help="intra-op threads")
@@ -339,8 +392,16 @@ def _add_bench_fused_parser(sub: Any) -> None:
         "bench-fused",
         help="throughput of N models trained fused vs serially, as processes, with vmap",
     )
-    f.add_argument("--models", default="mlp,cnn,transformer",
-                   help="benchmark models, comma-separated: mlp, cnn, transformer")  # fmt: skip
+    f.add_argument(
+        "--workload",
+        "--models",
+        dest="models",
+        default="mlp,cnn,transformer",
+        help="models to benchmark, comma-separated: the short names mlp, cnn, "
+        "transformer (and -wide: digits-* workloads at fixed widths), any "
+        "registry workload, or a factory pkg.module:factory or "
+        "path/to/file.py:factory (--models is the earlier name)",
+    )
     f.add_argument("--n", type=_ints, default=(1, 2, 4, 8, 16, 32), help="array sizes")
     f.add_argument("--strategies", default="fused,serial,concurrent,vmap",
                    help="fused, serial, concurrent, vmap (comma-separated)")  # fmt: skip
@@ -606,31 +667,60 @@ def _command_line() -> str:
     return " ".join(["plait", *sys.argv[1:]])
 
 
+def _sweep_space(args: argparse.Namespace) -> Any:
+    """The sweep's search space: --space, or the one the range flags describe."""
+    from plait.fused.sweep import DEFAULT_LR, OptimizerKind, SearchSpace, load_space
+
+    if args.space is not None:
+        return load_space(args.space)
+    optimizer = OptimizerKind(args.optimizer)
+    momentum = args.momentum
+    if momentum is None and optimizer is OptimizerKind.SGD:
+        momentum = 0.9
+    return SearchSpace(
+        lr=tuple(args.lr or DEFAULT_LR[optimizer]),
+        weight_decay=tuple(args.weight_decay or (1e-6, 1e-2)),
+        momentum=momentum,
+        batch_sizes=args.batch_sizes or (32,),
+        widths=args.widths,
+    )
+
+
+def _sweep_task(args: argparse.Namespace) -> Any:
+    from plait.fused.sweep import sweep_task
+
+    fusible = tuple(f.strip() for f in args.fusible.split(",") if f.strip())
+    return sweep_task(args.workload, _sweep_space(args), fusible=fusible)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     import torch
 
-    from plait.fused.sweep import PrunerKind, SamplerKind, SearchSpace, SweepConfig, digits_task
+    from plait.fused.sweep import OptimizerKind, PrunerKind, SamplerKind, SweepConfig
     from plait.fused.sweep import run_sweep as run
     from plait.fused.sweep.report import write_reports
 
-    for name in ("lr", "weight_decay"):
-        if len(getattr(args, name)) != 2:
-            raise ValueError(f"--{name.replace('_', '-')} takes a range LO,HI")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.default_malloc:
         from plait.fused.malloc import tune_malloc
 
         tune_malloc()
-    space = SearchSpace(lr=args.lr, weight_decay=args.weight_decay, momentum=args.momentum,
-                        batch_sizes=args.batch_sizes, widths=args.widths)  # fmt: skip
-    task = digits_task(args.task, space)
+    task = _sweep_task(args)
     cfg = SweepConfig(
-        trials=args.trials, epochs=args.epochs, study=args.study, storage=args.storage,
-        max_models=args.max_models, memory_budget=args.memory_budget,
-        pruner=PrunerKind(args.pruner), sampler=SamplerKind(args.sampler), seed=args.seed,
-        device=args.device, progress=not args.no_progress,
-    )  # fmt: skip
+        trials=args.trials,
+        epochs=args.epochs,
+        study=args.study,
+        storage=args.storage,
+        max_models=args.max_models,
+        memory_budget=args.memory_budget,
+        pruner=PrunerKind(args.pruner),
+        sampler=SamplerKind(args.sampler),
+        optimizer=OptimizerKind(args.optimizer),
+        seed=args.seed,
+        device=args.device,
+        progress=not args.no_progress,
+    )
     if args.restart:
         from plait.fused.sweep.runner import delete_study
 
@@ -1048,22 +1138,36 @@ def _validate_crossover(args: argparse.Namespace) -> None:
 
 
 def _validate_sweep(args: argparse.Namespace) -> None:
-    from plait.fused.sweep.task import TASK_NAMES
+    from plait.fused.sweep import OptimizerKind, check_space
 
-    if args.task not in TASK_NAMES:
-        raise ValueError(f"--task {args.task!r}: choose from {', '.join(TASK_NAMES)}")
+    given = [
+        f"--{n.replace('_', '-')}"
+        for n in ("lr", "weight_decay", "momentum", "batch_sizes", "widths")
+        if getattr(args, n) is not None
+    ]
+    if args.space is not None and given:
+        raise ValueError(
+            f"--space describes the whole search space: drop {', '.join(given)} "
+            "(or write them into the space)"
+        )
+    optimizer = OptimizerKind(args.optimizer)
+    if args.momentum is not None and "momentum" not in optimizer.options():
+        raise ValueError(
+            f"--momentum: the {optimizer.value} optimizer has no momentum; "
+            "use --optimizer sgd or rmsprop, or drop --momentum"
+        )
     for flag in ("trials", "epochs", "max_models", "threads"):
         _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
     for name in ("lr", "weight_decay"):
         lo_hi = getattr(args, name)
         flag = f"--{name.replace('_', '-')}"
-        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1]:
+        if lo_hi is not None and (len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1]):
             raise ValueError(
-                f"{flag} {','.join(map(str, lo_hi))}: expected a range LO,HI with 0 < LO <= HI"
+                f"{flag} takes a range LO,HI with 0 < LO <= HI, got {','.join(map(str, lo_hi))}"
             )
     _number("--momentum", args.momentum, low=0)
     for flag, values in (("--batch-sizes", args.batch_sizes), ("--widths", args.widths)):
-        if any(v < 1 for v in values):
+        if values is not None and any(v < 1 for v in values):
             raise ValueError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
     if args.study is not None and not args.study.strip():
         raise ValueError("--study: empty name")
@@ -1074,19 +1178,31 @@ def _validate_sweep(args: argparse.Namespace) -> None:
         )
     _check_device("--device", args.device)
     _writable_dir("--out", args.out)
+    # The workload and the space resolve here, in the parent, before any storage or
+    # model exists: an unknown name, a factory that does not import, a space file that
+    # does not parse or a hyper-parameter nothing takes fails with its name.
+    from plait.workloads import WORKLOADS, is_factory_spec
+
+    if not is_factory_spec(args.workload) and args.workload not in WORKLOADS:
+        raise ValueError(
+            f"--workload {args.workload!r}: unknown sweep task or workload; choose from "
+            f"{', '.join(WORKLOADS)}, or give a factory pkg.module:factory or "
+            "path/to/file.py:factory"
+        )
+    check_space(_sweep_task(args), optimizer)
 
 
 def _validate_bench_fused(args: argparse.Namespace) -> None:
-    from plait.bench.fused import BENCH_MODELS, Strategy
+    from plait.bench.fused import MODEL_ALIASES, Strategy, get_model
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:
-        raise ValueError(f"--models {args.models!r}: choose from {', '.join(BENCH_MODELS)}")
+        raise ValueError(
+            f"--workload {args.models!r}: choose from {', '.join(MODEL_ALIASES)}, a registry "
+            "workload or a factory"
+        )
     for m in models:
-        if m not in BENCH_MODELS:
-            raise ValueError(
-                f"--models: unknown model {m!r}; choose from {', '.join(BENCH_MODELS)}"
-            )
+        get_model(m)  # resolves the workload and builds one model: errors name it
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     accepted = [s.value for s in Strategy]
     if not names or any(n not in accepted for n in names):

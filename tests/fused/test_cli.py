@@ -45,7 +45,7 @@ def test_bench_fused_command(tmp_path: Path) -> None:
     [
         (["sweep", "--task", "imagenet"], "unknown sweep task"),
         (["sweep", "--lr", "0.1"], "--lr takes a range"),
-        (["bench-fused", "--models", "vgg"], "unknown benchmark model"),
+        (["bench-fused", "--models", "alexnet"], "unknown benchmark model"),
     ],
 )
 def test_bad_input(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from plait.bench.fused import BenchConfig, StockAdam, Strategy, run_bench_fused
 from plait.bench.fused.report import write_reports
@@ -99,3 +100,44 @@ def test_stock_strategies_use_the_chosen_adam(adam: StockAdam) -> None:
     cfg = BenchConfig(models=("mlp",), sizes=(1,), strategies=(Strategy.SERIAL,), steps=1,
                       rounds=1, warmup=1, batch_size=4, stock_adam=adam)  # fmt: skip
     assert run_bench_fused(cfg)[0].stock_adam == adam.value
+
+
+@pytest.mark.parametrize(
+    ("name", "workload", "width", "params"),
+    [
+        # parameter counts of the models the benchmark measured before it used the registry
+        ("mlp", "digits-mlp", 64, 8970),
+        ("cnn", "digits-cnn", 8, 5122),
+        ("transformer", "digits-transformer", 16, 5930),
+        ("mlp-wide", "digits-mlp", 128, 26122),
+        ("cnn-wide", "digits-cnn", 16, 19706),
+        ("transformer-wide", "digits-transformer", 32, 20042),
+    ],
+)
+def test_short_names_are_registry_workloads_at_fixed_widths(
+    name: str, workload: str, width: int, params: int
+) -> None:
+    from plait.bench.fused.models import get_model
+
+    model = get_model(name)
+    assert model.workload.name == workload and dict(model.arch) == {"width": width}
+    assert sum(p.numel() for p in model.build().parameters()) == params
+    assert model.batch_size == 32 and model.num_classes == 10
+    x = model.inputs(2, 3, torch.Generator().manual_seed(0))
+    assert x.shape[:2] == (2, 3) and model.build()(x[0]).shape == (3, 10)
+
+
+def test_registry_workloads_and_factories_are_benchmark_models(tmp_path: Path) -> None:
+    from plait.bench.fused.models import get_model
+
+    assert get_model("digits-cnn").arch == {} and "width 8" in get_model("digits-cnn").description
+    (tmp_path / "wl.py").write_text(
+        "from plait.workloads import WORKLOADS\n"
+        "from dataclasses import replace\n"
+        "def small():\n"
+        "    return replace(WORKLOADS['digits-mlp'], name='small', arch={'width': 8})\n"
+    )
+    model = get_model(f"{tmp_path / 'wl.py'}:small")
+    assert model.workload.name == "small" and "width 8" in model.description
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        get_model(f"{tmp_path / 'wl.py'}:nope")

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import optuna
 import pytest
 
 from plait.fused.sweep import (
-    ClassificationTask,
+    OptimizerKind,
     PrunerKind,
+    SamplerKind,
     SearchSpace,
     SweepConfig,
-    digits_task,
+    SweepTask,
     run_sweep,
+    sweep_task,
     train_array,
 )
 from plait.fused.sweep.report import write_reports
 from plait.fused.sweep.runner import _Data
 
 
-def small_task(**space: object) -> ClassificationTask:
-    return digits_task("digits-mlp", SearchSpace(widths=(16,), **space))  # type: ignore[arg-type]
+def small_task(**space: object) -> SweepTask:
+    return sweep_task("digits-mlp", SearchSpace(widths=(16,), **space))  # type: ignore[arg-type]
 
 
 def test_sweep_persists_and_continues(tmp_path: Path) -> None:
@@ -51,9 +54,9 @@ def test_non_fusible_values_never_share_an_array(tmp_path: Path) -> None:
         epochs=1,
         storage=f"sqlite:///{tmp_path / 'db'}",
         max_models=8,
-        sampler="random",
+        sampler=SamplerKind.RANDOM,
         progress=False,
-    )  # type: ignore[arg-type]
+    )
     result = run_sweep(small_task(batch_sizes=(16, 64)), cfg)
     arrays: dict[int, set[int]] = {}
     for r in result.records:
@@ -99,3 +102,98 @@ def test_memory_budget_too_small(tmp_path: Path) -> None:
                       memory_budget=1000, progress=False)  # fmt: skip
     with pytest.raises(ValueError, match="not even one model fits"):
         run_sweep(small_task(), cfg)
+
+
+FACTORY = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from plait.workloads import DataInfo, DataSplit, Workload
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    return DataSplit(train=TensorDataset(x, y), test=None, name="toy",
+                     info=DataInfo(input_shape=(8,), num_classes=2))
+
+
+def build(info, *, hidden=4, dropout=0.0):
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(dropout),
+                         nn.Linear(hidden, info.num_classes))
+
+
+def workload():
+    return Workload(name="toy", build=build, real=data, arch={"hidden": 4},
+                    loss_fn=lambda out, y: nn.functional.cross_entropy(out, y))
+"""
+
+
+def test_a_user_workload_space_optimizer_sampler_and_pruner(tmp_path: Path) -> None:
+    """Everything a user brings: a factory file, a suggest function, Adam, Optuna objects."""
+    (tmp_path / "toy.py").write_text(FACTORY)
+
+    def space(trial: optuna.Trial) -> dict[str, object]:
+        return {
+            "lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True),
+            "betas": (0.9, trial.suggest_float("beta2", 0.9, 0.999)),
+            "hidden": trial.suggest_categorical("hidden", [4, 8]),
+            "dropout": trial.suggest_float("dropout", 0.0, 0.3),  # per model in one array
+            "batch_size": 16,
+        }
+
+    sampler = optuna.samplers.RandomSampler(seed=3)
+    pruner = optuna.pruners.NopPruner()
+    cfg = SweepConfig(trials=4, epochs=1, storage=f"sqlite:///{tmp_path / 'db'}", max_models=4,
+                      optimizer=OptimizerKind.ADAM, sampler=sampler, pruner=pruner,
+                      progress=False)  # fmt: skip
+    task = sweep_task(f"{tmp_path / 'toy.py'}:workload", fusible=("dropout",))
+    result = run_sweep(task, cfg, space=space)
+    assert cfg.sampler is sampler and cfg.optimizer is OptimizerKind.ADAM
+    assert [r.state for r in result.records] == ["COMPLETE"] * 4
+    for r in result.records:  # held out: a fifth of the 96 samples, scored per model
+        assert r.value is not None and 0 <= r.value <= 1 and round(r.value * 19) == r.value * 19
+    arrays: dict[int, set[object]] = {}
+    for r in result.records:
+        arrays.setdefault(r.array, set()).add(r.params["hidden"])
+    assert all(len(h) == 1 for h in arrays.values())  # hidden is non-fusible, dropout not
+    assert set(result.capacities) <= {"batch_size=16, hidden=4", "batch_size=16, hidden=8"}
+    paths = write_reports(result, cfg, task.name, tmp_path / "out")
+    config = json.loads(paths["json"].read_text())["config"]
+    assert config["sampler"] == "RandomSampler" and config["optimizer"] == "adam"
+
+
+def test_a_space_naming_nothing_usable_fails_before_the_study(tmp_path: Path) -> None:
+    cfg = SweepConfig(trials=2, epochs=1, storage=f"sqlite:///{tmp_path / 'db'}",
+                      optimizer=OptimizerKind.ADAGRAD, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="'momentum' is not an option of the adagrad"):
+        run_sweep("digits-mlp", cfg, space=lambda t: {"lr": 0.1, "momentum": 0.9})
+    assert not (tmp_path / "db").exists()
+    with pytest.raises(ValueError, match="optimizer 'lbfgs': choose from sgd, adam"):
+        SweepConfig(optimizer="lbfgs")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="or an optuna sampler"):
+        SweepConfig(sampler="grid")  # type: ignore[arg-type]
+
+
+def test_cli_space_file_and_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.cli import main
+
+    spec = tmp_path / "space.toml"
+    spec.write_text("lr = {low = 1e-3, high = 1e-2, log = true}\nwidth = 16\nbatch_size = 64\n")
+    out = tmp_path / "report"
+    argv = ["sweep", "--workload", "digits-mlp", "--space", str(spec), "--optimizer", "adamw",
+            "--trials", "2", "--epochs", "1", "--storage", f"sqlite:///{tmp_path / 'db'}",
+            "--out", str(out), "--no-progress", "--threads", "1"]  # fmt: skip
+    assert main(argv) == 0
+    trials = json.loads((out / "results.json").read_text())["trials"]
+    assert {t["params"]["width"] for t in trials} == {16} and len(trials) == 2
+    for bad, message in (
+        (["--space", str(spec), "--lr", "1e-3,1e-2"], "drop --lr"),
+        (["--optimizer", "adam", "--momentum", "0.9"], "adam optimizer has no momentum"),
+        (["--workload", "imagenet"], "unknown sweep task or workload"),
+        (["--workload", f"{tmp_path / 'none.py'}:f"], "does not exist"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["sweep", *bad])
+        assert message in capsys.readouterr().err

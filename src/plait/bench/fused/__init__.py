@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from plait.bench.fused.models import BENCH_MODELS, BenchModel
+from plait.bench.fused.models import MODEL_ALIASES, BenchModel, get_model
 from plait.bench.fused.runner import BenchConfig, run_bench_fused
 from plait.bench.fused.strategies import StockAdam, Strategy
 
-__all__ = ["BENCH_MODELS", "BenchConfig", "BenchModel", "StockAdam", "Strategy", "run_bench_fused"]
+__all__ = [
+    "MODEL_ALIASES",
+    "BenchConfig",
+    "BenchModel",
+    "StockAdam",
+    "Strategy",
+    "get_model",
+    "run_bench_fused",
+]

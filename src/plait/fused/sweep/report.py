@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+import optuna
 
 from plait.fused.sweep.runner import SweepConfig, SweepResult
 from plait.fused.sweep.storage import mask_secrets, mask_url
 from plait.records import command_line, git_commit, machine, pyplot, save_figure
 
 
+def _plain(value: Any) -> Any:
+    """A config value for JSON: numbers as they are, enums by value, objects by class."""
+    if isinstance(value, int | float | bool | None | str):
+        return value if not isinstance(value, StrEnum) else value.value
+    if isinstance(value, optuna.pruners.BasePruner | optuna.samplers.BaseSampler):
+        return type(value).__name__
+    return str(value)
+
+
 def to_json(result: SweepResult, cfg: SweepConfig, task: str) -> dict[str, Any]:
-    config = {
-        k: str(v) if not isinstance(v, int | float | bool | None) else v
-        for k, v in asdict(cfg).items()
-    }
+    config = {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
     if cfg.storage is not None:
         config["storage"] = mask_url(cfg.storage)
     return {

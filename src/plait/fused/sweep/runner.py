@@ -24,7 +24,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -33,16 +33,19 @@ from typing import Any
 import optuna
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from plait._proc import pid_alive
 from plait.fused.convert import fuse
-from plait.fused.losses import accuracy, cross_entropy
+from plait.fused.losses import cross_entropy
 from plait.fused.lr_scheduler import CosineAnnealingLR
-from plait.fused.optim import FusedSGD
+from plait.fused.optim import FusedOptimizer
 from plait.fused.sweep.capacity import available_memory, largest_fitting, step_memory
+from plait.fused.sweep.space import Space
 from plait.fused.sweep.storage import mask_secrets, mask_url, storage_url
-from plait.fused.sweep.task import ClassificationTask
+from plait.fused.sweep.task import OptimizerKind, SweepTask, sweep_task
+from plait.workloads import DataInfo, Workload, logits_of
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +80,18 @@ class SweepConfig:
     Attributes:
         trials: total trials of the study (across every process sharing it).
         epochs: training epochs per trial.
-        study: Optuna study name (default: the task's name).
+        study: Optuna study name (default: the workload's name).
         storage: Optuna storage URL (default: SQLite file runs/plait-sweeps.db).
         max_models: the largest array to try; the memory search stays below it.
         memory_budget: bytes one array may use (default: half the available memory on a
             CPU, 90% of the free memory on a GPU).
-        pruner, sampler: Optuna pruner and sampler.
+        pruner, sampler: an Optuna pruner and sampler, by name (`PrunerKind`,
+            `SamplerKind`) or as objects (any `optuna.pruners.BasePruner` /
+            `optuna.samplers.BaseSampler`, configured as the user likes).
+        optimizer: the fused optimizer every array trains with; a trial's optimizer
+            options (lr, momentum, betas, ...) come from the search space, per model.
         warmup_epochs: epochs before the median pruner may stop a trial.
-        seed: seeds the sampler, every trial's initial weights and the data order.
+        seed: seeds the named sampler, every trial's initial weights and the data order.
         device: "cpu" or "cuda".
         progress: show progress bars and per-epoch lines of every trial.
     """
@@ -95,8 +102,9 @@ class SweepConfig:
     storage: str | None = None
     max_models: int = 64
     memory_budget: int | None = None
-    pruner: PrunerKind = PrunerKind.MEDIAN
-    sampler: SamplerKind = SamplerKind.TPE
+    pruner: PrunerKind | optuna.pruners.BasePruner = PrunerKind.MEDIAN
+    sampler: SamplerKind | optuna.samplers.BaseSampler = SamplerKind.TPE
+    optimizer: OptimizerKind = OptimizerKind.SGD
     warmup_epochs: int = 2
     seed: int = 0
     device: str = "cpu"
@@ -105,6 +113,20 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if self.trials < 1 or self.epochs < 1 or self.max_models < 1:
             raise ValueError("trials, epochs and max_models must be >= 1")
+        # Names become their enums here, so a typo fails before any study is opened.
+        for attr, kind, base, extra in (
+            ("pruner", PrunerKind, optuna.pruners.BasePruner, ", or an optuna pruner"),
+            ("sampler", SamplerKind, optuna.samplers.BaseSampler, ", or an optuna sampler"),
+            ("optimizer", OptimizerKind, None, ""),
+        ):
+            value = getattr(self, attr)
+            if base is not None and isinstance(value, base):
+                continue
+            try:
+                object.__setattr__(self, attr, kind(value))
+            except ValueError:
+                accepted = ", ".join(k.value for k in kind)
+                raise ValueError(f"{attr} {value!r}: choose from {accepted}{extra}") from None
 
 
 @dataclass
@@ -137,6 +159,8 @@ class SweepResult:
 
 
 def _pruner(cfg: SweepConfig) -> optuna.pruners.BasePruner:
+    if isinstance(cfg.pruner, optuna.pruners.BasePruner):
+        return cfg.pruner
     if cfg.pruner is PrunerKind.MEDIAN:
         return optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=cfg.warmup_epochs)
     if cfg.pruner is PrunerKind.ASHA:
@@ -145,18 +169,57 @@ def _pruner(cfg: SweepConfig) -> optuna.pruners.BasePruner:
 
 
 def _sampler(cfg: SweepConfig) -> optuna.samplers.BaseSampler:
+    if isinstance(cfg.sampler, optuna.samplers.BaseSampler):
+        return cfg.sampler
     if cfg.sampler is SamplerKind.RANDOM:
         return optuna.samplers.RandomSampler(seed=cfg.seed)
     return optuna.samplers.TPESampler(seed=cfg.seed)
 
 
-class _Data:
-    """Train and validation tensors on the device, batches in a per-epoch seeded order."""
+def _tensors(dataset: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a dataset of (input, target) samples, stacked once."""
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        x, y = dataset.tensors
+        return x, y
+    samples = [dataset[i] for i in range(len(dataset))]
+    if not samples:
+        raise ValueError(f"the {what} data is empty")
+    try:
+        x = torch.stack([torch.as_tensor(s[0]) for s in samples])
+        y = torch.stack([torch.as_tensor(s[1]) for s in samples])
+    except (TypeError, IndexError, RuntimeError) as e:
+        raise ValueError(
+            f"the {what} data must hold (input, target) samples of equal shapes: {e}"
+        ) from None
+    return x, y
 
-    def __init__(self, task: ClassificationTask, device: str) -> None:
-        train, val = task.data()
-        self.x, self.y = (t.to(device) for t in train.tensors)
-        self.vx, self.vy = (t.to(device) for t in val.tensors)
+
+#: Share of the training data held out to score trials when a workload has no test set.
+HOLDOUT = 0.2
+
+
+class _Data:
+    """Train and validation tensors on the device, batches in a per-epoch seeded order.
+
+    A sweep trains small models on small data: the whole data set sits on the device as
+    two tensors, so a batch is one index, whichever array asks for it.
+    """
+
+    def __init__(self, task: SweepTask, device: str) -> None:
+        split = task.workload.real()
+        self.info: DataInfo = split.info
+        x, y = _tensors(split.train, "training")
+        if split.test is not None:
+            vx, vy = _tensors(split.test, "held-out")
+        else:
+            n = max(1, int(len(x) * HOLDOUT))
+            if n >= len(x):
+                raise ValueError(f"workload {task.name!r}: too little data to hold out any")
+            log.info(
+                "workload %r has no test set: %d training samples score the trials", task.name, n
+            )
+            x, y, vx, vy = x[:-n], y[:-n], x[-n:], y[-n:]
+        self.x, self.y, self.vx, self.vy = (t.to(device) for t in (x, y, vx, vy))
 
     def batches(
         self, batch_size: int, *, seed: int, epoch: int
@@ -173,26 +236,57 @@ class _Data:
         return math.ceil(len(self.x) / batch_size)
 
 
-def _models(task: ClassificationTask, params: Sequence[dict[str, Any]], numbers: Sequence[int],
-            seed: int) -> list[nn.Module]:  # fmt: skip
+def _models(
+    task: SweepTask,
+    params: Sequence[dict[str, Any]],
+    numbers: Sequence[int],
+    cfg: SweepConfig,
+    info: DataInfo,
+) -> list[nn.Module]:
     models = []
     for p, n in zip(params, numbers, strict=True):
-        torch.manual_seed(seed * 1_000_003 + n)  # a trial's weights depend on its number only
-        models.append(task.model(p))
+        torch.manual_seed(cfg.seed * 1_000_003 + n)  # a trial's weights depend on its number
+        models.append(task.build(info, p, cfg.optimizer))
     return models
 
 
-def _optimizer(array: nn.Module, params: Sequence[dict[str, Any]]) -> FusedSGD:
-    return FusedSGD(
-        array.parameters(),
-        lr=[float(p["lr"]) for p in params],
-        momentum=[float(p.get("momentum", 0.0)) for p in params],
-        weight_decay=[float(p.get("weight_decay", 0.0)) for p in params],
-    )
+def _optimizer(
+    array: nn.Module, params: Sequence[dict[str, Any]], cfg: SweepConfig
+) -> FusedOptimizer:
+    return cfg.optimizer.make(array.parameters(), params)
+
+
+def _one(output: Any, b: int) -> Any:
+    """Model b's output of an array's output (a tensor, a dict or a ModelOutput of them)."""
+    if isinstance(output, torch.Tensor):
+        return output[b]
+    if isinstance(output, Mapping):
+        return {k: v[b] if isinstance(v, torch.Tensor) else v for k, v in output.items()}
+    return logits_of(output)[b]
+
+
+def _losses(workload: Workload, output: Any, y: torch.Tensor) -> torch.Tensor:
+    """[B] per-model losses: one fused cross-entropy, or the workload's loss per model."""
+    if workload.loss_fn is None:
+        return cross_entropy(logits_of(output), y)  # classes, or tokens of a language model
+    return torch.stack([workload.loss_fn(_one(output, b), y) for b in range(_count(output))])
+
+
+def _scores(workload: Workload, output: Any, y: torch.Tensor) -> list[tuple[int, int]]:
+    """(correct, total) of each model."""
+    if workload.metric_fn is None:
+        logits = logits_of(output)
+        hits = logits.argmax(-1) == y.expand(logits.shape[0], *y.shape)
+        return [(int(c), y.numel()) for c in hits.flatten(1).sum(1)]
+    return [workload.metric_fn(_one(output, b), y) for b in range(_count(output))]
+
+
+def _count(output: Any) -> int:
+    return int(logits_of(output).shape[0])
 
 
 def train_array(
-    task: ClassificationTask,
+    task: SweepTask,
     trials: Sequence[optuna.trial.Trial],
     params: Sequence[dict[str, Any]],
     *,
@@ -209,21 +303,21 @@ def train_array(
     """
     b = len(trials)
     batch_size = int(params[0].get("batch_size", 32))
-    array = fuse(_models(task, params, [t.number for t in trials], cfg.seed), fallback="vmap")
-    array = array.to(cfg.device)
-    opt = _optimizer(array, params)
+    models = _models(task, params, [t.number for t in trials], cfg, data.info)
+    array = fuse(models, fallback="vmap").to(cfg.device)
+    opt = _optimizer(array, params, cfg)
     sched = CosineAnnealingLR(opt, T_max=cfg.epochs * data.steps(batch_size))
     active = list(range(b))
     curves: list[list[float]] = [[] for _ in range(b)]
     states = ["RUNNING"] * b
-    shared = ", ".join(f"{k}={v}" for k, v in task.partition_key(params[0]))
+    shared = ", ".join(f"{k}={v}" for k, v in task.partition_key(params[0], cfg.optimizer))
     bar = tqdm(total=cfg.epochs * data.steps(batch_size), disable=not cfg.progress, leave=False,
                desc=f"array {array_id}: {b} trials ({shared})", unit="step")  # fmt: skip
     for epoch in range(cfg.epochs):
         array.train()
         losses = torch.zeros(len(active))
         for x, y in data.batches(batch_size, seed=cfg.seed, epoch=epoch):
-            losses = cross_entropy(array(x.expand(len(active), *x.shape)), y)
+            losses = _losses(task.workload, array(x.expand(len(active), *x.shape)), y)
             opt.zero_grad(set_to_none=True)
             losses.sum().backward()  # each model's gradient is its own loss's
             opt.step()
@@ -231,7 +325,7 @@ def train_array(
             bar.update(1)
             if heartbeat is not None:
                 heartbeat()
-        acc = _evaluate(array, data, len(active))
+        acc = _evaluate(task.workload, array, data, len(active))
         drop: list[int] = []
         for j, i in enumerate(active):
             trial = trials[i]
@@ -287,10 +381,20 @@ def train_array(
 
 
 @torch.no_grad()
-def _evaluate(array: nn.Module, data: _Data, b: int) -> list[float]:
+def _evaluate(workload: Workload, array: nn.Module, data: _Data, b: int) -> list[float]:
+    """Each model's held-out metric, in chunks so that a large test set fits."""
     array.eval()
-    logits = array(data.vx.expand(b, *data.vx.shape))
-    return [float(a) for a in accuracy(logits, data.vy)]
+    correct, total = [0] * b, [0] * b
+    for i in range(0, len(data.vx), EVAL_CHUNK):
+        vx, vy = data.vx[i : i + EVAL_CHUNK], data.vy[i : i + EVAL_CHUNK]
+        for j, (c, t) in enumerate(_scores(workload, array(vx.expand(b, *vx.shape)), vy)):
+            correct[j] += c
+            total[j] += t
+    return [c / max(t, 1) for c, t in zip(correct, total, strict=True)]
+
+
+#: Held-out samples per evaluation forward pass.
+EVAL_CHUNK = 2048
 
 
 def _fmt_params(params: dict[str, Any]) -> str:
@@ -318,9 +422,7 @@ def _epoch_line(
     return "\n".join(lines)
 
 
-def _capacity(
-    task: ClassificationTask, params: dict[str, Any], data: _Data, cfg: SweepConfig
-) -> int:
+def _capacity(task: SweepTask, params: dict[str, Any], data: _Data, cfg: SweepConfig) -> int:
     """The largest array for trials like `params` that fits the memory budget."""
     batch_size = int(params.get("batch_size", 32))
     x, y = data.x[:batch_size], data.y[:batch_size]
@@ -331,12 +433,12 @@ def _capacity(
         budget = cfg.memory_budget or available_memory() // 2
 
     def fits(n: int) -> bool:
-        array = fuse(_models(task, [params] * n, list(range(n)), cfg.seed), fallback="vmap")
-        array = array.to(cfg.device)
-        opt = _optimizer(array, [params] * n)
+        models = _models(task, [params] * n, list(range(n)), cfg, data.info)
+        array = fuse(models, fallback="vmap").to(cfg.device)
+        opt = _optimizer(array, [params] * n, cfg)
 
         def step() -> None:
-            cross_entropy(array(x.expand(n, *x.shape)), y).sum().backward()
+            _losses(task.workload, array(x.expand(n, *x.shape)), y).sum().backward()
             opt.step()
 
         def state() -> list[torch.Tensor]:
@@ -515,13 +617,43 @@ def _open_study(name: str, storage: str, cfg: SweepConfig) -> optuna.Study:
         ) from None
 
 
-def run_sweep(task: ClassificationTask, cfg: SweepConfig) -> SweepResult:
+def check_space(
+    task: SweepTask, optimizer: OptimizerKind | str = OptimizerKind.SGD
+) -> dict[str, Any]:
+    """Sample the task's space once on a throwaway in-memory trial and check its names.
+
+    A misspelt or unusable hyper-parameter then fails before any storage, study or model
+    exists. Returns the sampled parameters.
+    """
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    probe = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
+    params = task.suggest(probe)
+    task.check(params, OptimizerKind(optimizer))
+    return params
+
+
+def run_sweep(
+    task: SweepTask | Workload | str, cfg: SweepConfig, *, space: Space | None = None
+) -> SweepResult:
     """Run (or continue) the study until it holds `cfg.trials` trials.
 
     Trials left RUNNING by a sweep that died are failed and their configurations trained
     again (`recover_interrupted`); they do not count towards `cfg.trials`.
+
+    Args:
+        task: a `SweepTask`, or a workload (registry name, ``pkg.module:factory``,
+            ``file.py:factory`` or `Workload`) swept over `space`.
+        cfg: how the sweep runs (trials, epochs, storage, optimizer, sampler, pruner...).
+        space: ``space(trial) -> dict`` of hyper-parameters; replaces the task's space
+            (default: `SearchSpace()`).
+
+    Raises:
+        ValueError: an unknown workload, a space returning a name that neither the
+            optimizer nor the model builder takes, storage that does not open, or no
+            model that fits the memory budget.
     """
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    task = sweep_task(task, space)
+    check_space(task, cfg.optimizer)
     storage = storage_url(cfg.storage)
     name = cfg.study or task.name
     study = _open_study(name, storage, cfg)
@@ -554,7 +686,13 @@ def run_sweep(task: ClassificationTask, cfg: SweepConfig) -> SweepResult:
             trial = study.ask()
             holder.claim(trial)
             params = task.suggest(trial)
-            key = task.partition_key(params)
+            try:
+                task.check(params, cfg.optimizer)
+            except ValueError:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                holder.done([trial])
+                raise
+            key = task.partition_key(params, cfg.optimizer)
             if key not in capacities:
                 capacities[key] = _capacity(task, params, data, cfg)
                 result.capacities[", ".join(f"{k}={v}" for k, v in key) or "all"] = capacities[key]
