@@ -742,13 +742,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_fused(args: argparse.Namespace) -> int:
-    from plait.bench.fused import BenchConfig, StockAdam, Strategy, run_bench_fused
+    from plait.bench.fused import ArrayStrategy, BenchConfig, StockAdam, run_bench_fused
     from plait.bench.fused.report import markdown_table, write_reports
 
     cfg = BenchConfig(
         models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
         sizes=args.n,
-        strategies=tuple(Strategy(s.strip()) for s in args.strategies.split(",") if s.strip()),
+        strategies=tuple(ArrayStrategy(s.strip()) for s in args.strategies.split(",") if s.strip()),
         steps=args.steps, rounds=args.rounds, warmup=args.warmup, threads=args.threads,
         batch_size=args.batch_size, device=args.device, tune_malloc=not args.default_malloc,
         stock_adam=StockAdam(args.stock_adam), native_kernels=not args.no_native,
@@ -1193,7 +1193,7 @@ def _validate_sweep(args: argparse.Namespace) -> None:
 
 
 def _validate_bench_fused(args: argparse.Namespace) -> None:
-    from plait.bench.fused import MODEL_ALIASES, Strategy, get_model
+    from plait.bench.fused import MODEL_ALIASES, ArrayStrategy, get_model
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:
@@ -1204,7 +1204,7 @@ def _validate_bench_fused(args: argparse.Namespace) -> None:
     for m in models:
         get_model(m)  # resolves the workload and builds one model: errors name it
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    accepted = [s.value for s in Strategy]
+    accepted = [s.value for s in ArrayStrategy]
     if not names or any(n not in accepted for n in names):
         raise ValueError(f"--strategies {args.strategies!r}: choose from {', '.join(accepted)}")
     for flag, values in (("--n", args.n), ("--threads", args.threads)):

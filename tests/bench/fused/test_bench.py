@@ -8,15 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.bench.fused import BenchConfig, StockAdam, Strategy, run_bench_fused
+from plait.bench.fused import ArrayStrategy, BenchConfig, StockAdam, run_bench_fused
 from plait.bench.fused.report import write_reports
 
 
 def test_every_strategy_measures_and_reports(tmp_path: Path) -> None:
-    cfg = BenchConfig(models=("cnn",), sizes=(2,), strategies=tuple(Strategy), steps=1,
-                      rounds=2, warmup=1, batch_size=4)  # fmt: skip
+    cfg = BenchConfig(
+        models=("cnn",),
+        sizes=(2,),
+        strategies=tuple(ArrayStrategy),
+        steps=1,
+        rounds=2,
+        warmup=1,
+        batch_size=4,
+    )
     records = run_bench_fused(cfg)
-    assert {r.strategy for r in records} == {s.value for s in Strategy}
+    assert {r.strategy for r in records} == {s.value for s in ArrayStrategy}
     for r in records:
         assert r.n == 2 and r.bandwidth == "n2" and r.threads == 1
         assert 0 < r.iter_time_min_s <= r.iter_time_s <= r.iter_time_max_s
@@ -30,8 +37,16 @@ def test_every_strategy_measures_and_reports(tmp_path: Path) -> None:
 def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> None:
     from plait.bench.fused.report import markdown_table
 
-    cfg = BenchConfig(models=("mlp",), sizes=(2,), strategies=(Strategy.FUSED, Strategy.SERIAL),
-                      steps=1, rounds=2, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
+    cfg = BenchConfig(
+        models=("mlp",),
+        sizes=(2,),
+        strategies=(ArrayStrategy.FUSED, ArrayStrategy.SERIAL),
+        steps=1,
+        rounds=2,
+        warmup=1,
+        batch_size=4,
+        threads=(1, 2),
+    )
     records = run_bench_fused(cfg)
     assert sorted((r.strategy, r.threads) for r in records) == [
         ("fused", 1),
@@ -43,8 +58,10 @@ def test_thread_counts_are_contestants_and_the_best_of_each_is_compared() -> Non
         serial = next(s for s in records if s.strategy == "serial" and s.threads == r.threads)
         assert r.speedup_vs_serial == pytest.approx(serial.iter_time_s / r.iter_time_s)
     table = markdown_table(records)
-    best = {s: min((r for r in records if r.strategy == s), key=lambda r: r.iter_time_s)
-            for s in ("fused", "serial")}  # fmt: skip
+    best = {
+        s: min((r for r in records if r.strategy == s), key=lambda r: r.iter_time_s)
+        for s in ("fused", "serial")
+    }
     # The whole-machine records (each strategy at its fastest count) lead the JSON.
     assert [r.fastest_threads for r in records] == [True, True, False, False]
     assert {r.strategy: r for r in records[:2]} == best
@@ -62,8 +79,16 @@ def test_concurrent_processes_never_oversubscribe_the_cpus(
     from plait.bench.fused import runner
 
     monkeypatch.setattr(runner, "usable_cpus", lambda: 2)
-    cfg = BenchConfig(models=("mlp",), sizes=(1, 2), strategies=(Strategy.CONCURRENT,),
-                      steps=1, rounds=1, warmup=1, batch_size=4, threads=(1, 2))  # fmt: skip
+    cfg = BenchConfig(
+        models=("mlp",),
+        sizes=(1, 2),
+        strategies=(ArrayStrategy.CONCURRENT,),
+        steps=1,
+        rounds=1,
+        warmup=1,
+        batch_size=4,
+        threads=(1, 2),
+    )
     got = sorted((r.n, r.threads) for r in run_bench_fused(cfg))
     assert got == [(1, 1), (1, 2), (2, 1)]  # 2 processes x 2 threads > 2 CPUs: skipped
 
@@ -89,16 +114,26 @@ def test_stock_strategies_use_the_chosen_adam(adam: StockAdam) -> None:
     from plait.bench.fused.strategies import Serial, Vmap, make_runner
 
     model = get_model("mlp")
-    serial = make_runner(Strategy.SERIAL, model, 2, batch=4, threads=1, device="cpu", adam=adam)
-    vmap = make_runner(Strategy.VMAP, model, 2, batch=4, threads=1, device="cpu", adam=adam)
+    serial = make_runner(
+        ArrayStrategy.SERIAL, model, 2, batch=4, threads=1, device="cpu", adam=adam
+    )
+    vmap = make_runner(ArrayStrategy.VMAP, model, 2, batch=4, threads=1, device="cpu", adam=adam)
     assert isinstance(serial, Serial) and isinstance(vmap, Vmap)
     for opt in [*serial.opts, vmap.opt]:
         assert bool(opt.defaults["fused"]) is (adam is StockAdam.FUSED)
         assert bool(opt.defaults["foreach"]) is (adam is StockAdam.FOREACH)
     serial.run(1)  # every implementation steps on CPU
     vmap.run(1)
-    cfg = BenchConfig(models=("mlp",), sizes=(1,), strategies=(Strategy.SERIAL,), steps=1,
-                      rounds=1, warmup=1, batch_size=4, stock_adam=adam)  # fmt: skip
+    cfg = BenchConfig(
+        models=("mlp",),
+        sizes=(1,),
+        strategies=(ArrayStrategy.SERIAL,),
+        steps=1,
+        rounds=1,
+        warmup=1,
+        batch_size=4,
+        stock_adam=adam,
+    )
     assert run_bench_fused(cfg)[0].stock_adam == adam.value
 
 

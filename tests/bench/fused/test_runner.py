@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from plait.bench.fused import BenchConfig, Strategy, runner
+from plait.bench.fused import ArrayStrategy, BenchConfig, runner
 from plait.bench.fused.strategies import Runner
 
 
@@ -16,7 +16,7 @@ def test_rounds_rotate_and_records_take_medians(monkeypatch: pytest.MonkeyPatch)
     class Fake(Runner):
         """Fused steps take 1, 3, 2 s per round (per 2 steps), serial twice as long."""
 
-        def __init__(self, strategy: Strategy) -> None:
+        def __init__(self, strategy: ArrayStrategy) -> None:
             self.strategy, self.calls = strategy, 0
 
         def run(self, steps: int) -> tuple[float, float]:
@@ -26,17 +26,17 @@ def test_rounds_rotate_and_records_take_medians(monkeypatch: pytest.MonkeyPatch)
                 return 99.0, 99.0
             turns.append(self.strategy.value)
             wall = [1.0, 3.0, 2.0][self.calls - 2] * steps
-            factor = 2.0 if self.strategy is Strategy.SERIAL else 1.0
+            factor = 2.0 if self.strategy is ArrayStrategy.SERIAL else 1.0
             return factor * wall, factor * wall / 2
 
-    def make(strategy: Strategy, *args: Any, **kwargs: Any) -> Runner:
+    def make(strategy: ArrayStrategy, *args: Any, **kwargs: Any) -> Runner:
         return Fake(strategy)
 
     monkeypatch.setattr(runner, "make_runner", make)
     cfg = BenchConfig(
         models=("mlp",),
         sizes=(4,),
-        strategies=(Strategy.FUSED, Strategy.SERIAL),
+        strategies=(ArrayStrategy.FUSED, ArrayStrategy.SERIAL),
         steps=2,
         rounds=3,
         warmup=5,

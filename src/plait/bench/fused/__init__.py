@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from plait.bench.fused.models import MODEL_ALIASES, BenchModel, get_model
 from plait.bench.fused.runner import BenchConfig, run_bench_fused
-from plait.bench.fused.strategies import StockAdam, Strategy
+from plait.bench.fused.strategies import ArrayStrategy, StockAdam
 
 __all__ = [
     "MODEL_ALIASES",
+    "ArrayStrategy",
     "BenchConfig",
     "BenchModel",
     "StockAdam",
-    "Strategy",
     "get_model",
     "run_bench_fused",
 ]

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.bench.fused.strategies import Strategy
+from plait.bench.fused.strategies import ArrayStrategy
 from plait.bench.records import FusedRecord
 from plait.records import pyplot, save_figure, stamp, write_report
 
@@ -20,9 +20,9 @@ def typed(records: Records) -> list[FusedRecord]:
 
 
 def _strategies(records: Sequence[FusedRecord]) -> list[str]:
-    """The strategies present, in `Strategy`'s order whatever the records' order."""
+    """The strategies present, in `ArrayStrategy`'s order whatever the records' order."""
     present = {r.strategy for r in records}
-    return [s.value for s in Strategy if s.value in present]
+    return [s.value for s in ArrayStrategy if s.value in present]
 
 
 def _by(records: Sequence[FusedRecord]) -> dict[tuple[str, int, int], dict[str, FusedRecord]]:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from plait._proc import usable_cpus
 from plait.bench.core import Order, Stats, Turn, run_rounds
 from plait.bench.fused.models import get_model
-from plait.bench.fused.strategies import Runner, StockAdam, Strategy, make_runner
+from plait.bench.fused.strategies import ArrayStrategy, Runner, StockAdam, make_runner
 from plait.bench.records import FusedRecord
 from plait.fused import native
 from plait.fused.malloc import tune_malloc
@@ -63,7 +63,7 @@ class BenchConfig:
 
     models: Sequence[str] = ("mlp", "cnn", "transformer")
     sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)
-    strategies: Sequence[Strategy] = tuple(Strategy)
+    strategies: Sequence[ArrayStrategy] = tuple(ArrayStrategy)
     steps: int = 5
     rounds: int = 9
     warmup: int = 3
@@ -125,7 +125,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[FusedRecord]:
     return records
 
 
-Contestant = tuple[Strategy, int]  # a strategy at an intra-op thread count
+Contestant = tuple[ArrayStrategy, int]  # a strategy at an intra-op thread count
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,9 @@ class Sample:
     cpu_s: float
 
 
-def _fastest(medians: dict[Contestant, float]) -> dict[Strategy, Contestant]:
+def _fastest(medians: dict[Contestant, float]) -> dict[ArrayStrategy, Contestant]:
     """Each strategy's contestant with the shortest median step."""
-    out: dict[Strategy, Contestant] = {}
+    out: dict[ArrayStrategy, Contestant] = {}
     for c, step in medians.items():
         if c[0] not in out or step < medians[out[c[0]]]:
             out[c[0]] = c
@@ -162,12 +162,12 @@ def fused_records(
     thread count and at its own fastest one."""
     medians = {c: Stats.of([s.wall_s for s in ss]).median for c, ss in samples.items()}
     fastest = _fastest(medians)
-    best_serial = fastest.get(Strategy.SERIAL)
+    best_serial = fastest.get(ArrayStrategy.SERIAL)
     out = []
     for (strategy, threads), ss in samples.items():
         wall = Stats.of([s.wall_s for s in ss])
         cpu = Stats.of([s.cpu_s for s in ss]).median
-        serial = medians.get((Strategy.SERIAL, threads))
+        serial = medians.get((ArrayStrategy.SERIAL, threads))
         out.append(
             FusedRecord(
                 workload=workload,
@@ -206,7 +206,7 @@ def _measure(cfg: BenchConfig, name: str, n: int, batch: int) -> dict[Contestant
     try:
         for threads in cfg.threads:
             for s in cfg.strategies:
-                if s is Strategy.CONCURRENT and threads > 1 and n * threads > usable_cpus():
+                if s is ArrayStrategy.CONCURRENT and threads > 1 and n * threads > usable_cpus():
                     continue  # oversubscribed (see BenchConfig.threads)
                 torch.set_num_threads(threads)
                 runners[s, threads] = r = make_runner(

@@ -56,7 +56,7 @@ class StockAdam(StrEnum):
         return torch.optim.Adam(params, lr=LR, foreach=self is StockAdam.FOREACH)
 
 
-class Strategy(StrEnum):
+class ArrayStrategy(StrEnum):
     FUSED = "fused"
     SERIAL = "serial"
     CONCURRENT = "concurrent"
@@ -250,7 +250,7 @@ class Concurrent(Runner):
 
 
 def make_runner(
-    strategy: Strategy,
+    strategy: ArrayStrategy,
     model: BenchModel,
     n: int,
     *,
@@ -260,12 +260,12 @@ def make_runner(
     tune: bool = False,
     adam: StockAdam = StockAdam.FUSED,
 ) -> Runner:
-    if strategy is Strategy.CONCURRENT:
+    if strategy is ArrayStrategy.CONCURRENT:
         return Concurrent(model, n, batch=batch, threads=threads, device=device, tune=tune,
                           adam=adam)  # fmt: skip
     setup = _Setup(model, n, batch, device, adam=adam)
-    if strategy is Strategy.FUSED:
+    if strategy is ArrayStrategy.FUSED:
         return Fused(setup)
-    if strategy is Strategy.SERIAL:
+    if strategy is ArrayStrategy.SERIAL:
         return Serial(setup)
     return Vmap(setup)
