@@ -7,6 +7,7 @@ All strategies of one (workload, bandwidth) run in the same distributed job, int
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -107,3 +108,37 @@ def run_bench(
         if owned:
             cluster.down()
     return records
+
+
+#: Record fields written as TensorBoard scalars, under ``bench/``.
+SCALARS = (
+    "samples_per_s",
+    "iter_time_s",
+    "compute_time_s",
+    "comm_lower_bound_s",
+    "overlap_efficiency",
+    "bytes_per_step",
+    "payload_bytes_per_step",
+    "cpu_time_s",
+)
+
+
+def write_scalars(records: Sequence[dict[str, Any]], log_dir: Path) -> None:
+    """Write each record's scalars to TensorBoard, one run (subfolder) per workload, network
+    setting and strategy, so TensorBoard overlays the strategies of a grid; the per-step
+    times are the run's steps."""
+    from plait.log import summary_writer
+
+    for r in records:
+        strategy = re.sub(r"[^\w.=-]+", "_", str(r.get("strategy_spec") or r["strategy"]))
+        run = f"{r['workload']}/{r['bandwidth']}/{strategy}"
+        writer = summary_writer(log_dir / run)
+        try:
+            for key in SCALARS:
+                value = r.get(key)
+                if isinstance(value, int | float):
+                    writer.add_scalar(f"bench/{key}", value, 0)
+            for i, t in enumerate(r.get("iter_times_s") or []):
+                writer.add_scalar("bench/step_time_s", t, i)
+        finally:
+            writer.close()
