@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.specs import OptionValue
 from plait.testing import run_distributed
 from plait.train.loop import StrategyChoice, TrainConfig, Trainer
 
@@ -100,7 +101,7 @@ def test_bad_config(kwargs: dict[str, object], match: str) -> None:
     ],
 )
 def test_strategy_resolved_once_typed(
-    kwargs: dict[str, object], name: str, options: dict[str, object], spec: str | None
+    kwargs: dict[str, object], name: str, options: dict[str, OptionValue], spec: str | None
 ) -> None:
     cfg = TrainConfig(**kwargs)  # type: ignore[arg-type]
     assert cfg.strategy_choice == StrategyChoice(name, options)
