@@ -14,6 +14,7 @@ import pytest
 from plait.cli import DEFAULT_NODES, build_parser, main, parse_command_line
 from plait.log import LEVEL_ENV, configure, level_from
 from tests.bench.test_harness import CONTRACT as HARNESS_FIELDS
+from tests.test_configs import scalars as _scalars
 
 CONTRACT = HARNESS_FIELDS | {"torch", "commit", "command"}
 
@@ -105,10 +106,15 @@ def test_bench_end_to_end(tmp_path: Path) -> None:
         "8",
         "--out",
         str(out),
+        "--tensorboard",
+        str(tmp_path / "tb"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (rec,) = json.loads((out / "results.json").read_text())
+    scalars = _scalars(tmp_path / "tb" / "mlp" / "1gbit" / "ssgd")
+    assert scalars["bench/samples_per_s"] == [pytest.approx(rec["samples_per_s"])]
+    assert len(scalars["bench/step_time_s"]) == 2  # --steps
     assert set(rec) >= CONTRACT
     assert rec["bandwidth"] == "1gbit" and rec["nodes"] == 2 and rec["batch_size"] == 8
     assert (out / "results.md").read_text().count("| mlp |") == 1

@@ -27,7 +27,8 @@ def test_example_config_validates(path: Path) -> None:
     assert args.command == command
 
 
-def _scalars(log_dir: Path) -> dict[str, list[float]]:
+def scalars(log_dir: Path) -> dict[str, list[float]]:
+    """The scalar series TensorBoard event files under `log_dir` hold, by tag."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(log_dir))
@@ -61,10 +62,10 @@ def test_train_from_a_config_writes_tensorboard_and_trace(tmp_path: Path) -> Non
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    scalars = _scalars(tb)
-    assert len(scalars["train/loss"]) == 4
-    assert all(b > 0 for b in scalars["comm/bytes_per_step"])  # two ranks exchange factors
-    assert len(scalars["eval/test_accuracy"]) == 2 and len(scalars["epoch/samples_per_s"]) == 1
+    series = scalars(tb)
+    assert len(series["train/loss"]) == 4
+    assert all(b > 0 for b in series["comm/bytes_per_step"])  # two ranks exchange factors
+    assert len(series["eval/test_accuracy"]) == 2 and len(series["epoch/samples_per_s"]) == 1
     assert "epoch" in proc.stdout + proc.stderr  # the per-epoch line, logged by rank 0
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}

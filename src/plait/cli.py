@@ -76,15 +76,23 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     )
     if multi_bandwidth:
         bw_help += "; a comma-separated list runs each"
+    bw_help += " (default: unshaped)"
     g.add_argument("--bandwidth", default=None, help=bw_help)
     g.add_argument(
-        "--latency", default=None, help="added one-way delay per link, up to 60s, e.g. 2ms"
+        "--latency",
+        default=None,
+        help="added one-way delay per link, up to 60s, e.g. 2ms (default: none)",
     )
     g.add_argument(
-        "--loss", type=float, default=None, help="packet loss per link, percent in [0, 100)"
+        "--loss",
+        type=float,
+        default=None,
+        help="packet loss per link, percent in [0, 100) (default: none)",
     )
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per worker process")
-    g.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
+    g.add_argument(
+        "--timeout", type=float, default=None, help="wall-clock limit in seconds (default: none)"
+    )
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -154,7 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(b, multi_bandwidth=True)
     b.add_argument("--steps", type=int, default=10, help="measured steps per strategy")
     b.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy")
-    b.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
+    b.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-worker batch size (default: the workload's benchmark batch)",
+    )
     b.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
     b.add_argument("--trace", action="store_true", help="write a merged trace per job")
     b.add_argument(
@@ -230,10 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
     g = parser.add_mutually_exclusive_group()
-    g.add_argument("--verbose", action="store_true", default=default,
-                   help="also log debugging detail, each line naming its logger")  # fmt: skip
-    g.add_argument("--quiet", action="store_true", default=default,
-                   help="log warnings and errors only")  # fmt: skip
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="also log debugging detail, each line naming its logger",
+    )
+    g.add_argument(
+        "--quiet", action="store_true", default=default, help="log warnings and errors only"
+    )
 
 
 def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
@@ -305,10 +323,18 @@ def _add_sweep_parser(sub: Any) -> None:
     s.add_argument("--memory-budget", type=_bytes, default=None,
                    help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 "
                         "(default: half of free)")  # fmt: skip
-    s.add_argument("--pruner", default="median", choices=["median", "asha", "none"],
-                   help="Optuna pruner that stops poor trials early")  # fmt: skip
-    s.add_argument("--sampler", default="tpe", choices=["tpe", "random"],
-                   help="Optuna sampler that proposes trials")  # fmt: skip
+    s.add_argument(
+        "--pruner",
+        default="median",
+        choices=["median", "asha", "none"],
+        help="Optuna pruner that stops poor trials early",
+    )
+    s.add_argument(
+        "--sampler",
+        default="tpe",
+        choices=["tpe", "random"],
+        help="Optuna sampler that proposes trials",
+    )
     s.add_argument("--lr", type=_floats, default=(1e-3, 1.0), help="learning-rate range LO,HI")
     s.add_argument("--weight-decay", type=_floats, default=(1e-6, 1e-2),
                    help="weight-decay range LO,HI")  # fmt: skip
