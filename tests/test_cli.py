@@ -1,14 +1,20 @@
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from plait.cli import build_parser, main
+from plait.cli import DEFAULT_NODES, build_parser, main, parse_command_line
+from plait.log import LEVEL_ENV, configure, level_from
 from tests.bench.test_harness import CONTRACT as HARNESS_FIELDS
+from tests.test_configs import scalars as _scalars
 
 CONTRACT = HARNESS_FIELDS | {"torch", "commit", "command"}
 
@@ -100,39 +106,19 @@ def test_bench_end_to_end(tmp_path: Path) -> None:
         "8",
         "--out",
         str(out),
+        "--tensorboard",
+        str(tmp_path / "tb"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (rec,) = json.loads((out / "results.json").read_text())
+    scalars = _scalars(tmp_path / "tb" / "mlp" / "1gbit" / "ssgd")
+    assert scalars["bench/samples_per_s"] == [pytest.approx(rec["samples_per_s"])]
+    assert len(scalars["bench/step_time_s"]) == 2  # --steps
     assert set(rec) >= CONTRACT
     assert rec["bandwidth"] == "1gbit" and rec["nodes"] == 2 and rec["batch_size"] == 8
     assert (out / "results.md").read_text().count("| mlp |") == 1
     assert (out / "results.png").stat().st_size > 1000
-
-
-def test_train_with_trace(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "plait.cli",
-        "train",
-        "--workload",
-        "mlp",
-        "--steps",
-        "4",
-        "--nodes",
-        "2",
-        "--trace",
-        str(trace),
-        "--no-progress",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
-    cats = {e["cat"] for e in events if e["ph"] == "X"}
-    assert {"compute", "comm", "optim"} <= cats
 
 
 def test_version_flag_and_module_entry_point() -> None:
@@ -150,3 +136,89 @@ def test_version_flag_and_module_entry_point() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"plait {__version__} (torch ")
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_flag_of_every_command_has_help() -> None:
+    missing = [
+        f"plait {' '.join(path)} {action.option_strings or action.dest}"
+        for path, parser in _parsers(build_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._SubParsersAction) and not (action.help or "").strip()
+    ]
+    assert missing == []
+
+
+def test_help_shows_defaults_and_nodes_agree() -> None:
+    parsers = dict(_parsers(build_parser()))
+    text = parsers[("bench",)].format_help()
+    assert "(default: 10)" in " ".join(text.split())  # --steps
+    nodes = {
+        path: action.default
+        for path, parser in parsers.items()
+        for action in parser._actions
+        if "--nodes" in action.option_strings
+    }
+    assert len(nodes) >= 6  # demo, train, run, cluster, bench, crossover run, plan
+    assert set(nodes.values()) == {DEFAULT_NODES}, nodes
+
+
+def test_config_file_under_the_command_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        'workload = "mlp"\nstrategy = "acpsgd:rank=4"\nepochs = 2\nbatch_size = 16\n'
+        'no-progress = true\nbandwidth = "slow"\n'
+    )
+    args = parse_command_line(["train", "--config", str(cfg), "--steps", "5", "--nodes", "2"])
+    assert (args.strategy, args.batch_size, args.no_progress) == ("acpsgd:rank=4", 16, True)
+    assert (args.steps, args.epochs, args.nodes) == (5, None, 2)  # --steps drops epochs
+    args = parse_command_line(["train", "--config", str(cfg), "--batch-size", "8"])
+    assert (args.batch_size, args.epochs, args.nodes) == (8, 2, DEFAULT_NODES)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stepz = 3\n", "unknown key 'stepz' (accepted: "),
+        ('steps = "three"\n', "key 'steps': invalid literal"),
+        ("steps = 2.5\n", "key 'steps': expected an integer"),
+        ('data = "imagenet"\n', "key 'data': 'imagenet' is not one of real, synthetic"),
+        ('no_progress = "yes"\n', "key 'no_progress': expected true or false"),
+        ("steps = \n", "not valid TOML"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--config", str(cfg)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_verbosity_flags_set_the_plait_logger(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LEVEL_ENV, raising=False)  # restored after: workers read it
+    before = logging.getLogger("plait").level
+    try:
+        for argv, level in ((["--quiet"], logging.WARNING), (["--verbose"], logging.DEBUG)):
+            args = parse_command_line(["cluster", "status", *argv])
+            assert configure(level_from(args.verbose, args.quiet)).level == level
+            assert os.environ[LEVEL_ENV] == logging.getLevelName(level)
+        with pytest.raises(SystemExit):  # one or the other
+            parse_command_line(["cluster", "status", "--verbose", "--quiet"])
+        with pytest.raises(ValueError, match="exclude each other"):  # before and after
+            level_from(verbose=True, quiet=True)
+    finally:
+        logging.getLogger("plait").setLevel(before)

@@ -40,3 +40,45 @@ def test_disabled_tracer_records_nothing() -> None:
     with t.span("x"):
         pass
     assert t.events(0) == [t.events(0)[0]]  # only the process-name metadata
+
+
+def _profiled_names(rank: int, world: int, specs: list[str]) -> list[set[str]]:
+    """The event names a torch.profiler trace of one training step of each spec holds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from plait.train.loop import TrainConfig, Trainer
+
+    names = []
+    for spec in specs:
+        cfg = TrainConfig(
+            workload="mlp", strategy=spec, steps=1, batch_size=8, progress=False, seed=rank
+        )
+        trainer = Trainer(cfg)
+        try:
+            batch = next(trainer._batches(0, 0))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                trainer.train_step([batch])
+            names.append({e.name for e in prof.events()})
+        finally:
+            trainer.close()
+    return names
+
+
+def test_spans_reach_the_torch_profiler() -> None:
+    """Compression, factor communication and inversion are named in a profiler trace, with
+    plait's own tracer off (a user profiling a plait run need not enable it)."""
+    assert not tracer.enabled
+    specs = ["acpsgd:rank=2,warmup=0", "spd-kfac:inv_interval=1"]
+    acp, kfac = run_distributed(_profiled_names, specs, world_size=2)[0]
+    assert {"forward", "backward", "optimizer"} <= acp
+    assert any(n.startswith("compress b") for n in acp), sorted(acp)
+    assert any(n.startswith("factors b") for n in kfac), sorted(kfac)
+    assert any(n.startswith("inverse ") for n in kfac), sorted(kfac)
+
+
+def test_profiled_is_free_without_a_profiler() -> None:
+    from plait.trace import profiled, profiler_active
+
+    assert not profiler_active()
+    with profiled("x") as ctx:
+        assert ctx is None  # a nullcontext: no record function opened

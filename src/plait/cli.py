@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import tomllib
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
@@ -16,13 +17,47 @@ from typing import Any, NoReturn
 
 from plait._proc import scratch_dir
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
+from plait.log import check_tensorboard, configure, level_from
 from plait.specs import split_specs
 from plait.train.args import add_train_args, config_from_args
 from plait.units import parse_size
 
+#: Emulated nodes when ``--nodes`` is not given, the same in every command: the size of the
+#: cluster the demo and the committed benchmarks use.
+DEFAULT_NODES = 4
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each flag's default, unless it has none or its help already says.
+
+    Defaults of None (decided later, e.g. "the workload's") and of on/off switches say
+    nothing a reader needs; tuples print as they are typed (``1,2,4``).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+        ):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, tuple | list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line: the flag, the bad value, what it takes."""
+    """argparse whose usage errors are one line: the flag, the bad value, what it takes.
+
+    Every parser and subparser it makes shows the flags' defaults in ``--help``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -30,7 +65,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = False) -> None:
     g = p.add_argument_group("emulated cluster")
-    g.add_argument("--nodes", type=int, default=1, help="emulated nodes (network namespaces)")
+    g.add_argument(
+        "--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes (network namespaces)"
+    )
     g.add_argument("--nproc-per-node", type=int, default=1, help="worker processes per node")
     bw_help = (
         f"egress rate per node: a tc rate from 1kbit to 1tbit (100mbit, 1gbit; bps is bytes/s, "
@@ -39,15 +76,33 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     )
     if multi_bandwidth:
         bw_help += "; a comma-separated list runs each"
+    bw_help += " (default: unshaped)"
     g.add_argument("--bandwidth", default=None, help=bw_help)
     g.add_argument(
-        "--latency", default=None, help="added one-way delay per link, up to 60s, e.g. 2ms"
+        "--latency",
+        default=None,
+        help="added one-way delay per link, up to 60s, e.g. 2ms (default: none)",
     )
     g.add_argument(
-        "--loss", type=float, default=None, help="packet loss per link, percent in [0, 100)"
+        "--loss",
+        type=float,
+        default=None,
+        help="packet loss per link, percent in [0, 100) (default: none)",
     )
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per worker process")
-    g.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
+    g.add_argument(
+        "--timeout", type=float, default=None, help="wall-clock limit in seconds (default: none)"
+    )
+
+
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="TOML",
+        help="read this command's flags from a TOML run config: its keys are the flag names "
+        "(dashes or underscores); flags given on the command line override it",
+    )
 
 
 def _version_text() -> str:
@@ -63,43 +118,65 @@ def build_parser() -> argparse.ArgumentParser:
         prog="plait",
         description="Braid computation and communication: faster PyTorch training where "
         "hardware sits idle.",
+        epilog=f"Every command that builds an emulated cluster defaults to --nodes "
+        f"{DEFAULT_NODES}. `plait train` and `plait bench` also read their flags from a TOML "
+        "run config (--config run.toml; examples in configs/).",
     )
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error (also PLAIT_DEBUG=1)")  # fmt: skip
+    _add_verbosity_flags(parser, default=False)
     parser.add_argument("--version", action="version", version=_version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="end-to-end demonstration on an emulated 4-node cluster")
-    d.add_argument("--nodes", type=int, default=4)
+    d.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes")
     d.add_argument("--out", default="runs/demo", help="where the demo writes its results")
     d.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
 
     t = sub.add_parser("train", help="train a workload with a strategy")
+    _add_config_arg(t)
     add_train_args(t)
     _add_cluster_args(t)
 
     r = sub.add_parser("run", help="run a script on an emulated cluster (one torchrun per node)")
     _add_cluster_args(r)
-    r.add_argument("--max-restarts", type=int, default=0)
+    r.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a failure")
     r.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 
     c = sub.add_parser("cluster", help="manage emulated clusters")
-    c.add_argument("action", choices=["up", "down", "status", "probe"])
+    c.add_argument(
+        "action",
+        choices=["up", "down", "status", "probe"],
+        help="up: build one that stays; down: remove clusters; status: list them; probe: "
+        "measure all-reduce on a fresh one",
+    )
     c.add_argument("--all", action="store_true", help="down: also clusters of running jobs")
     _add_cluster_args(c)
 
     b = sub.add_parser("bench", help="benchmark strategies side by side")
+    _add_config_arg(b)
     b.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
     b.add_argument("--strategies", default="ssgd", help="strategy specs, comma-separated; use ; "
                    "between specs whose options contain commas")  # fmt: skip
     _add_cluster_args(b, multi_bandwidth=True)
     b.add_argument("--steps", type=int, default=10, help="measured steps per strategy")
     b.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy")
-    b.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
+    b.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-worker batch size (default: the workload's benchmark batch)",
+    )
     b.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
     b.add_argument("--trace", action="store_true", help="write a merged trace per job")
-    b.set_defaults(nodes=4)
+    b.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write each strategy's scalars (throughput, step time, bytes per step) "
+        "as TensorBoard events here",
+    )
 
     _add_race_parser(sub)
 
@@ -127,7 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="measure alone (sequential), uncoordinated and crossover")  # fmt: skip
     xr.add_argument("--trace", default=None, help="merged timeline of the co-located jobs")
     xr.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
-    xr.set_defaults(nodes=4)
     _add_sweep_parser(sub)
     _add_bench_fused_parser(sub)
 
@@ -167,14 +243,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="also log debugging detail, each line naming its logger",
+    )
+    g.add_argument(
+        "--quiet", action="store_true", default=default, help="log warnings and errors only"
+    )
+
+
 def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
-    """Accept ``--debug`` after any subcommand too (``plait train ... --debug``)."""
+    """Accept ``--debug``, ``--verbose`` and ``--quiet`` after any subcommand too
+    (``plait train ... --debug``)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 if not any("--debug" in a.option_strings for a in child._actions):
                     child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                        help="show the traceback of an error")  # fmt: skip
+                if not any("--verbose" in a.option_strings for a in child._actions):
+                    _add_verbosity_flags(child, default=argparse.SUPPRESS)
                 _add_debug_flag(child)
 
 
@@ -344,8 +436,18 @@ def _add_sweep_parser(sub: Any) -> None:
     s.add_argument("--memory-budget", type=_bytes, default=None,
                    help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 "
                         "(default: half of free)")  # fmt: skip
-    s.add_argument("--pruner", default="median", choices=["median", "asha", "none"])
-    s.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
+    s.add_argument(
+        "--pruner",
+        default="median",
+        choices=["median", "asha", "none"],
+        help="Optuna pruner that stops poor trials early",
+    )
+    s.add_argument(
+        "--sampler",
+        default="tpe",
+        choices=["tpe", "random"],
+        help="Optuna sampler that proposes trials",
+    )
     s.add_argument(
         "--lr",
         type=_floats,
@@ -378,11 +480,11 @@ def _add_sweep_parser(sub: Any) -> None:
         help="model-width choices (non-fusible: one array per value; default: "
         "the workload's own width)",
     )
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the sampler and the models")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--threads", type=int, default=None, help="intra-op threads")
     s.add_argument("--out", default=None, help="report directory (default runs/sweeps/STUDY)")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--default-malloc", action="store_true",
                    help="keep glibc's malloc thresholds (default: raised)")  # fmt: skip
 
@@ -570,6 +672,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         trace=args.trace,
     )
     from plait.bench.report import markdown_table
+
+    if args.tensorboard:
+        from plait.bench.runner import write_scalars
+
+        write_scalars(records, Path(args.tensorboard))
 
     print(markdown_table(records))
     if out is not None:
@@ -923,6 +1030,14 @@ def _check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = Fal
     _number("--loss", args.loss, low=0, high=100, high_open=True)
 
 
+def _check_tensorboard(log_dir: str | None) -> None:
+    """``--tensorboard DIR``: a writable directory, and TensorBoard installed."""
+    if log_dir is None:
+        return
+    _writable_dir("--tensorboard", log_dir)
+    check_tensorboard(log_dir)
+
+
 def _check_group(flag: str, group: str | None) -> None:
     if group is not None and (not _GROUP_RE.fullmatch(group) or group in (".", "..")):
         raise ValueError(
@@ -991,16 +1106,17 @@ def _validate_train(args: argparse.Namespace) -> None:
     _writable_dir("--checkpoint", args.checkpoint)
     _writable_file("--out", args.out)
     _writable_file("--trace", args.trace)
+    _check_tensorboard(args.tensorboard)
     _check_group("--crossover", args.crossover)
     if args.memory is not None:
         parse_size(args.memory, what="--memory size")
     cfg = config_from_args(args)  # workload, strategy spec and its options
     if "RANK" in os.environ:
         return  # a worker: the parent checked the rest before launching
-    from plait.train.strategy import Strategy, make_strategy
+    from plait.train.strategy import Strategy
     from plait.workloads import get_workload
 
-    strategy = make_strategy(cfg.strategy_spec())
+    strategy = cfg.strategy_choice.build()
     try:
         if type(strategy).check is not Strategy.check:  # plan degrees against world, model
             wl = get_workload(cfg.workload)
@@ -1033,6 +1149,7 @@ def _validate_bench(args: argparse.Namespace) -> None:
     _int_at_least("--warmup", args.warmup, 0)
     _int_at_least("--batch-size", args.batch_size, 1)
     _writable_dir("--out", args.out)
+    _check_tensorboard(args.tensorboard)
     _check_strategies(
         split_specs(args.strategies), _workloads(args.workload), args.nodes * args.nproc_per_node
     )
@@ -1235,6 +1352,125 @@ def _validate_plan(args: argparse.Namespace) -> None:
     _writable_file("--json", args.json)
 
 
+# ---------------------------------------------------------------------------- run configs
+#: Parser entries a run config may not set: they steer the parser or this process itself.
+_NOT_CONFIGURABLE = frozenset({"help", "config", "debug", "version", "verbose", "quiet"})
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            child: argparse.ArgumentParser = action.choices[name]
+            return child
+    raise AssertionError(f"no subcommand {name!r}")
+
+
+def _config_flags(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The flags of a subcommand a run config may set, by destination."""
+    return {a.dest: a for a in sub._actions if a.option_strings and a.dest not in _NOT_CONFIGURABLE}
+
+
+def _config_value(where: str, key: str, value: object, action: argparse.Action) -> object:
+    """A TOML value as the flag's parsed value; ValueError naming the key otherwise."""
+    if action.nargs == 0:  # an on/off switch
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: key {key!r}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, list):
+        # a list of names stands for the flag's comma-separated text; strategy specs whose
+        # options hold commas are separated by ';', as on the command line
+        if action.type is not None or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where}: key {key!r}: expected one value, got a list")
+        sep = ";" if action.dest == "strategies" and any("," in v for v in value) else ","
+        value = sep.join(value)
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{where}: key {key!r}: expected a {_kind(action)}, got {value!r}")
+    if action.type is None:
+        value = str(value)
+    elif action.type is int and isinstance(value, float):
+        raise ValueError(f"{where}: key {key!r}: expected an integer, got {value!r}")
+    elif not isinstance(value, str) and action.type in (int, float):
+        value = action.type(value)
+    else:
+        convert: Callable[[str], object] = action.type  # type: ignore[assignment]
+        try:
+            value = convert(str(value))
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"{where}: key {key!r}: {exc}") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ValueError(f"{where}: key {key!r}: {value!r} is not one of {choices}")
+    return value
+
+
+def _kind(action: argparse.Action) -> str:
+    if action.type is int:
+        return "integer"
+    return "number" if action.type is float else "string"
+
+
+def load_run_config(path: str, sub: argparse.ArgumentParser) -> dict[str, object]:
+    """The flag values a TOML run config sets for subcommand `sub`, by destination.
+
+    Keys are the subcommand's flag names without the leading dashes, with dashes or
+    underscores (``batch-size`` or ``batch_size``); values are TOML strings, numbers or
+    booleans, and lists of strings for the comma-separated flags. Raises ValueError naming
+    an unknown key (with the accepted ones) or a value the flag would refuse.
+    """
+    where = f"--config {path}"
+    try:
+        data = tomllib.loads(Path(path).expanduser().read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: cannot be read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{where}: not valid TOML: {exc}") from None
+    flags = _config_flags(sub)
+    values: dict[str, object] = {}
+    for key, value in data.items():
+        action = flags.get(key.replace("-", "_"))
+        if action is None:
+            accepted = ", ".join(sorted(d.replace("_", "-") for d in flags))
+            raise ValueError(f"{where}: unknown key {key!r} (accepted: {accepted})")
+        if action.dest in values:
+            raise ValueError(f"{where}: key {key!r} given twice (dashes and underscores)")
+        values[action.dest] = _config_value(where, key, value, action)
+    return values
+
+
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse `argv` and merge the ``--config`` run config under it.
+
+    The config's values become the subcommand's defaults, so a flag given on the command
+    line wins; it also wins over the config's value of a flag it excludes (``--epochs``
+    over a config's ``steps``). Raises ValueError for a bad config (exit 2 in `main`).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    parser = build_parser()
+    sub = _subcommand(parser, args.command)
+    values = load_run_config(args.config, sub)
+    given = _given_on_command_line(argv, args.command)
+    for group in sub._mutually_exclusive_groups:
+        dests = {a.dest for a in group._group_actions}
+        if dests & given:
+            for dest in dests - given:
+                values.pop(dest, None)
+    sub.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
+def _given_on_command_line(argv: list[str], command: str) -> set[str]:
+    """The destinations of the subcommand flags `argv` sets itself."""
+    parser = build_parser()
+    for action in _subcommand(parser, command)._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 VALIDATORS: dict[str, Callable[[argparse.Namespace], None]] = {
     "demo": _validate_demo,
     "train": _validate_train,
@@ -1279,9 +1515,10 @@ def main(argv: list[str] | None = None) -> int:
     Bad input, found before anything is built or in the command itself (ValueError), exits
     with code 2; any other error with code 1; both print one line unless ``--debug``.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
+        args = parse_command_line(argv)
+        configure(level_from(args.verbose, args.quiet))
         VALIDATORS[args.command](args)
         return COMMANDS[args.command](args)
     except ValueError as exc:

@@ -6,6 +6,13 @@ trace "process"; the threads that did the work (the training loop, a communicati
 thread) are its "threads". When tracing is off, `span` costs one attribute check.
 
 Open the merged file at https://ui.perfetto.dev or chrome://tracing.
+
+Every `span` also opens a `torch.profiler.record_function` of its name while a torch
+profiler is recording, so a `torch.profiler` trace of a plait run (and Holistic Trace
+Analysis on it) shows plait's stages, compression, factor communication, inversion,
+around the kernels they run; `profiled` marks work that has no span of its own (the issue
+of a collective whose end is seen elsewhere). With no profiler running this costs one
+check of the profiler's state.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 #: Categories used across plait; colours in Perfetto follow the name.
@@ -86,14 +94,15 @@ class Tracer:
     def span(
         self, name: str, cat: str = COMPUTE, *, args: dict[str, Any] | None = None
     ) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = self.now_us()
-        try:
-            yield
-        finally:
-            self.add(name, cat, start, self.now_us(), args=args)
+        with profiled(name):
+            if not self.enabled:
+                yield
+                return
+            start = self.now_us()
+            try:
+                yield
+            finally:
+                self.add(name, cat, start, self.now_us(), args=args)
 
     def events(self, pid: int) -> list[dict[str, Any]]:
         """This process's events, labelled as trace process `pid`."""
@@ -127,6 +136,19 @@ class Tracer:
         tmp.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
         tmp.replace(out)
         return out
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler (`torch.profiler.profile`) is recording in this process."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A `torch.profiler.record_function` named `name` while a profiler records, else a
+    no-op (a record function costs a little even when nobody listens)."""
+    if profiler_active():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 #: The process-wide tracer every plait component records into.

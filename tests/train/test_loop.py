@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
+from plait.specs import OptionValue
 from plait.testing import run_distributed
-from plait.train.loop import TrainConfig, Trainer
+from plait.train.loop import StrategyChoice, TrainConfig, Trainer
 
 
 def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, object]:
@@ -77,3 +79,41 @@ def test_bad_config(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cfg = TrainConfig(**kwargs)  # type: ignore[arg-type]
         Trainer(cfg)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name", "options", "spec"),
+    [
+        ({"strategy": "acpsgd:rank=4"}, "acpsgd", {"rank": 4}, "acpsgd:rank=4"),
+        ({"plan": "dp=2,tp=2,zero=3"}, "plan", {"dp": 2, "tp": 2, "zero": 3}, None),
+        (
+            {"plan": "dp=4", "strategy": "acpsgd"},
+            "plan",
+            {"dp": 4, "compression": "acpsgd"},
+            "plan:dp=4,compression=acpsgd",
+        ),
+        (
+            {"plan": "auto", "memory": "2GiB"},
+            "plan",
+            {"auto": True, "memory": "2GiB"},
+            "plan:auto=true,memory=2GiB",
+        ),
+    ],
+)
+def test_strategy_resolved_once_typed(
+    kwargs: dict[str, object], name: str, options: dict[str, OptionValue], spec: str | None
+) -> None:
+    cfg = TrainConfig(**kwargs)  # type: ignore[arg-type]
+    assert cfg.strategy_choice == StrategyChoice(name, options)
+    assert cfg.strategy_spec() == (spec or f"plan:{kwargs['plan']}")
+    # the spec text is the choice's rendering: it parses back to the same choice
+    assert StrategyChoice.parse(cfg.strategy_spec()) == cfg.strategy_choice
+
+
+def test_typed_strategy_stays_plain_data() -> None:
+    cfg = TrainConfig(strategy=StrategyChoice("powersgd", {"rank": 2}), steps=1)
+    assert cfg.strategy == "powersgd:rank=2"  # JSON for the workers, checkpoints
+    assert asdict(cfg)["strategy"] == "powersgd:rank=2"
+    assert TrainConfig(**asdict(cfg)).strategy_choice == cfg.strategy_choice
+    with pytest.raises(ValueError, match="unknown option 'rnak' for strategy 'acpsgd'"):
+        TrainConfig(strategy=StrategyChoice("acpsgd", {"rnak": 4}))

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
+import logging
+import re
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from plait._proc import keep_scratch, scratch_dir
 from plait.bench.harness import BenchSpec
@@ -19,6 +21,8 @@ from plait.bench.records import BenchRecord
 from plait.bench.report import write_reports
 from plait.cluster import Cluster, NetworkSpec, launch
 from plait.records import stamp
+
+logger = logging.getLogger(__name__)
 
 
 def run_bench(
@@ -79,8 +83,8 @@ def run_bench(
                 spec_path = work / f"spec_{w}_{net.bandwidth}.json"
                 res_path = work / f"res_{w}_{net.bandwidth}.json"
                 spec_path.write_text(json.dumps(asdict(spec)))
-                print(f"plait bench: {w} at {net.describe()} on {nodes}x{nproc_per_node}: "
-                      f"{', '.join(strategies)}", flush=True)  # fmt: skip
+                logger.info("bench: %s at %s on %dx%d: %s", w, net.describe(), nodes,
+                            nproc_per_node, ", ".join(strategies))  # fmt: skip
                 result = launch(
                     cluster,
                     ["plait.bench.harness", str(spec_path), str(res_path)],
@@ -91,7 +95,7 @@ def run_bench(
                     log_dir=work / "logs" / f"{w}_{net.bandwidth}",
                 )
                 if not result.ok or not res_path.exists():
-                    print(result.tail(), file=sys.stderr)
+                    logger.error("%s", result.tail())
                     why = ", timed out" if result.timed_out else ""
                     keep_scratch(work)
                     raise RuntimeError(
@@ -109,3 +113,38 @@ def run_bench(
         if owned:
             cluster.down()
     return records
+
+
+#: Record fields written as TensorBoard scalars, under ``bench/``.
+SCALARS = (
+    "samples_per_s",
+    "iter_time_s",
+    "compute_time_s",
+    "comm_lower_bound_s",
+    "overlap_efficiency",
+    "bytes_per_step",
+    "payload_bytes_per_step",
+    "cpu_time_s",
+)
+
+
+def write_scalars(records: Sequence[BenchRecord | dict[str, Any]], log_dir: Path) -> None:
+    """Write each record's scalars to TensorBoard, one run (subfolder) per workload, network
+    setting and strategy, so TensorBoard overlays the strategies of a grid; the per-step
+    times are the run's steps."""
+    from plait.log import summary_writer
+
+    for record in records:
+        r = record.to_dict() if isinstance(record, BenchRecord) else record
+        strategy = re.sub(r"[^\w.=-]+", "_", str(r.get("strategy_spec") or r["strategy"]))
+        run = f"{r['workload']}/{r['bandwidth']}/{strategy}"
+        writer = summary_writer(log_dir / run)
+        try:
+            for key in SCALARS:
+                value = r.get(key)
+                if isinstance(value, int | float):
+                    writer.add_scalar(f"bench/{key}", value, 0)
+            for i, t in enumerate(r.get("iter_times_s") or []):
+                writer.add_scalar("bench/step_time_s", t, i)
+        finally:
+            writer.close()

@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -149,10 +148,11 @@ class Cluster:
         network = network or NetworkSpec()
         emulated = has_net_admin()
         if not emulated and not quiet:
-            print(
-                "plait: no CAP_NET_ADMIN (run as root to emulate a network): falling back to "
-                f"loopback, {nodes} node(s) on 127.0.0.1, UNSHAPED ({network.describe()} ignored)",
-                file=sys.stderr,
+            logger.warning(
+                "no CAP_NET_ADMIN (run as root to emulate a network): falling back to "
+                "loopback, %d node(s) on 127.0.0.1, UNSHAPED (%s ignored)",
+                nodes,
+                network.describe(),
             )
         return cls(nodes=nodes, network=network, emulated=emulated, persistent=persistent)
 

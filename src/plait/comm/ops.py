@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.stats import Collective, stats
-from plait.trace import COMM, tracer
+from plait.trace import COMM, profiled, tracer
 
 Group = Any  # dist.ProcessGroup | None: None means the default group
 
@@ -166,7 +166,8 @@ def _issue(
     stats.add(op, nbytes, world_size(group))
     start = tracer.now_us()
     try:
-        work = launch()
+        with profiled(name):  # the span itself ends in `finish`, after the issue
+            work = launch()
         try:
             fut: torch.futures.Future[Any] = work.get_future()
         except RuntimeError:  # some gloo works (reduce_scatter) have no future: wait here

@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 from plait import distributed as pdist
+from plait.log import configure
 from plait.train.loop import TrainConfig, train
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure()  # the level `plait` set in PLAIT_LOG_LEVEL, INFO under a plain torchrun
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--config-json"]:
         cfg = TrainConfig(**json.loads(Path(args[1]).read_text()))

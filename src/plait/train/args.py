@@ -27,9 +27,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="the workload's bundled real data, or synthetic data of its shapes",
     )
     n = p.add_mutually_exclusive_group()
-    n.add_argument("--epochs", type=int, default=None, help="passes over the data")
+    n.add_argument(
+        "--epochs", type=int, default=None, help="passes over the data (default: the workload's)"
+    )
     n.add_argument("--steps", type=int, default=None, help="optimizer steps (instead of epochs)")
-    p.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-worker batch size (default: the workload's)",
+    )
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
     p.add_argument(
@@ -52,6 +59,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a failure")
     p.add_argument("--trace", default=None, help="write a merged Chrome trace here")
     p.add_argument("--out", default=None, help="write the run's metrics (JSON) here")
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write rank 0's scalars (loss, held-out metrics, throughput, bytes per "
+        "step) as TensorBoard events here",
+    )
     p.add_argument(
         "--eval-every",
         type=int,

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
 from plait.crossover.scheduler import Crossover, attach
+from plait.log import summary_writer
+from plait.specs import OptionValue, parse_spec
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.checkpoint import Checkpointer, has_sharded, load_sharded
 from plait.train.optim import MuonAdamW
@@ -40,6 +43,53 @@ from plait.workloads import DataSplit, Workload, get_workload
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
 
+logger = logging.getLogger(__name__)
+
+
+def _option_text(value: OptionValue) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """A strategy by registered name with typed options: what a spec string describes.
+
+    `TrainConfig` resolves its flags into one of these once, validated, and the trainer
+    builds the strategy from it; the spec text is only its rendering (`spec`).
+
+    Attributes:
+        name: a registered strategy (``ssgd``, ``acpsgd``, ``spd-kfac``, ``plan``, ...).
+        options: the strategy's keyword options (``{"rank": 4}``).
+    """
+
+    name: str
+    options: Mapping[str, OptionValue] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> StrategyChoice:
+        """The choice a spec string names (``acpsgd:rank=4``), options typed."""
+        name, options = parse_spec(spec)
+        return cls(name, options)
+
+    def spec(self) -> str:
+        """The spec string of this choice (``acpsgd:rank=4``), as the command line takes."""
+        if not self.options:
+            return self.name
+        opts = ",".join(f"{k}={_option_text(v)}" for k, v in self.options.items())
+        return f"{self.name}:{opts}"
+
+    def build(self) -> Strategy:
+        """The strategy, built (which checks the name and every option, and starts nothing).
+
+        Raises:
+            ValueError: an unknown name or option, or a bad option value.
+        """
+        return make_strategy(self.name, **dict(self.options))
+
+    def validate(self) -> None:
+        """Check the name and every option without keeping the strategy."""
+        self.build().close()
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -47,7 +97,8 @@ class TrainConfig:
 
     Attributes:
         workload: a name from `plait.workloads.WORKLOADS`.
-        strategy: strategy spec, ``name[:k=v,...]``.
+        strategy: strategy spec, ``name[:k=v,...]``, or a `StrategyChoice` (stored as its
+            spec, so the config stays plain data for JSON and checkpoints).
         data: ``real`` (bundled data set with a test split) or ``synthetic``.
         epochs: passes over the training data (default: the workload's).
         steps: optimizer steps to run; overrides `epochs` when given.
@@ -68,10 +119,15 @@ class TrainConfig:
         plan: an n-D parallel plan (``dp=2,tp=2,zero=3``, see `plait.parallel.Plan`) or
             ``auto``; `strategy` then names the data axis's compressor.
         memory: memory per device the automatic planner must fit in (``2GiB``).
+        tensorboard: write rank 0's scalars (loss, held-out metrics, throughput, bytes
+            per step) as TensorBoard events into this directory.
+
+    The strategy the run trains with, `plan` and `memory` included, is resolved and
+    validated once, at construction, into `strategy_choice`.
     """
 
     workload: str = "mlp"
-    strategy: str = "ssgd"
+    strategy: str | StrategyChoice = "ssgd"
     data: str = "real"
     epochs: int | None = None
     steps: int | None = None
@@ -92,10 +148,15 @@ class TrainConfig:
     eval_every: int = 0
     plan: str | None = None
     memory: str | None = None
+    tensorboard: str | None = None
 
     def __post_init__(self) -> None:
         get_workload(self.workload)
-        make_strategy(self.strategy_spec()).close()  # unknown names and bad options fail here
+        if isinstance(self.strategy, StrategyChoice):
+            self.strategy = self.strategy.spec()
+        #: the strategy to train with, typed; unknown names and bad options fail here
+        self.strategy_choice = self._resolve_strategy()
+        self.strategy_choice.validate()
         if self.data not in ("real", "synthetic"):
             raise ValueError(f"data must be 'real' or 'synthetic', got {self.data!r}")
         for key in ("epochs", "steps", "batch_size"):
@@ -113,24 +174,35 @@ class TrainConfig:
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
 
-    def strategy_spec(self) -> str:
-        """The strategy to train with: `strategy`, or the plan with `strategy` as compressor."""
+    def _resolve_strategy(self) -> StrategyChoice:
+        """`strategy` alone, or the plan strategy with `strategy` as its data-axis compressor."""
+        assert isinstance(self.strategy, str)  # __post_init__ stores a choice as its spec
+        compressor = StrategyChoice.parse(self.strategy)
         if self.plan is None:
             if self.memory is not None:
                 raise ValueError("memory applies to the automatic planner (--plan auto)")
-            return self.strategy
-        if ":" in self.strategy:
+            return compressor
+        if compressor.options:
             raise ValueError(
                 f"with --plan, --strategy names a compressor only, got {self.strategy!r}"
             )
         if self.plan.strip() == "auto":
-            if self.strategy != "ssgd":
+            if compressor.name != "ssgd":
                 raise ValueError("--plan auto chooses the data axis itself; drop --strategy")
-            return "plan:auto=true" + (f",memory={self.memory}" if self.memory else "")
+            options: dict[str, OptionValue] = {"auto": True}
+            if self.memory:
+                options["memory"] = self.memory
+            return StrategyChoice("plan", options)
         if self.memory is not None:
             raise ValueError("memory applies to the automatic planner (--plan auto)")
-        extra = f",compression={self.strategy}" if self.strategy != "ssgd" else ""
-        return f"plan:{self.plan}{extra}"
+        _, degrees = parse_spec(f"plan:{self.plan}")
+        if compressor.name != "ssgd":
+            degrees["compression"] = compressor.name
+        return StrategyChoice("plan", degrees)
+
+    def strategy_spec(self) -> str:
+        """The spec text of `strategy_choice` (for messages and records)."""
+        return self.strategy_choice.spec()
 
 
 @dataclass
@@ -194,7 +266,7 @@ class Trainer:
             else self.wl.bench_data(config.synthetic_samples)
         )
         model = self.wl.model(self.data.info).to(self.device)
-        self.strategy = strategy or make_strategy(config.strategy_spec())
+        self.strategy = strategy or config.strategy_choice.build()
         self.batch_size = config.batch_size or self.wl.train_batch
         sample = next(iter(DataLoader(self.data.train, batch_size=self.batch_size)))
         self.strategy.bind_data(
@@ -249,6 +321,10 @@ class Trainer:
         self.step_losses: list[float] = []
         if config.trace:
             tracer.enable()
+        #: rank 0's TensorBoard writer (``tensorboard``), None elsewhere
+        self.tensorboard = (
+            summary_writer(config.tensorboard) if config.tensorboard and pdist.is_main() else None
+        )
 
     # ------------------------------------------------------------ checkpoints
     def save(self) -> None:
@@ -283,10 +359,15 @@ class Trainer:
             self.strategy.load_state_dict(local["strategy"])
             _set_rng_state(local["rng"])
         elif pdist.is_main():
-            print("plait: checkpoint from another world size: strategy state starts fresh")
+            logger.warning("checkpoint from another world size: strategy state starts fresh")
         self.resumed_from = self.state.step
         if pdist.is_main():
-            print(f"plait: resumed from {path} (step {self.state.step}, epoch {self.state.epoch})")
+            logger.info(
+                "plait: resumed from %s (step %d, epoch %d)",
+                path,
+                self.state.step,
+                self.state.epoch,
+            )
         return True
 
     # ------------------------------------------------------------------ steps
@@ -362,8 +443,10 @@ class Trainer:
                 if len(micro) < cfg.accumulate:
                     break
                 t0 = time.perf_counter()
-                loss = self.train_step(micro)
+                with comm_stats.window() as collectives:
+                    loss = self.train_step(micro)
                 step_times.append(time.perf_counter() - t0)
+                self._log_step(loss, step_times[-1], sum(c.wire_bytes for c in collectives))
                 self.step_end_unix.append(time.time())
                 self.step_losses.append(loss)
                 losses.append(loss)
@@ -373,9 +456,9 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", step_s=f"{step_times[-1]:.3f}")
                 if cfg.eval_every and self.state.step % cfg.eval_every == 0:
-                    self.state.curve.append(
-                        {"step": self.state.step, "train_loss": loss, **self.evaluate()}
-                    )
+                    point = {"step": self.state.step, "train_loss": loss, **self.evaluate()}
+                    self.state.curve.append(point)
+                    self._log_scalars("eval", point)
                 if cfg.checkpoint_every and self.state.step % cfg.checkpoint_every == 0:
                     self.save()
             if (
@@ -388,7 +471,8 @@ class Trainer:
                 if bar is not None:
                     bar.write(_format_epoch(record))
                 elif pdist.is_main():
-                    print(_format_epoch(record), flush=True)
+                    logger.info("%s", _format_epoch(record))
+                self._log_scalars("epoch", record)
                 losses, step_times = [], []
                 if self.state.batch_in_epoch >= self.steps_per_epoch:
                     self.state.epoch += 1
@@ -399,11 +483,35 @@ class Trainer:
         if cfg.trace:
             path = tracer.save(cfg.trace)
             if path is not None:
-                print(f"plait: trace of {self.world} rank(s) written to {path}")
+                logger.info("plait: trace of %d rank(s) written to %s", self.world, path)
         if cfg.out and pdist.is_main():
             Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.out).write_text(json.dumps(self.summary(), indent=2))
         return self.state
+
+    # ----------------------------------------------------------- TensorBoard
+    def _log_step(self, loss: float, step_s: float, sent: float) -> None:
+        """Rank 0's per-step scalars: loss, step time, throughput and the bytes it sent
+        (`sent`, under the ring algorithms' cost, `plait.comm.stats`)."""
+        if self.tensorboard is None:
+            return
+        step = self.state.step + 1  # the step just taken, counted from 1
+        samples = self.batch_size * self.cfg.accumulate * self.world
+        self.tensorboard.add_scalar("train/loss", loss, step)
+        self.tensorboard.add_scalar("train/step_time_s", step_s, step)
+        self.tensorboard.add_scalar("train/samples_per_s", samples / step_s, step)
+        self.tensorboard.add_scalar("comm/bytes_per_step", sent, step)
+
+    def _log_scalars(self, section: str, record: dict[str, Any]) -> None:
+        """Every finite number of an epoch or evaluation record, under `section`/."""
+        if self.tensorboard is None:
+            return
+        for key, value in record.items():
+            if key in ("epoch", "step") or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                self.tensorboard.add_scalar(f"{section}/{key}", value, self.state.step)
+        self.tensorboard.flush()
 
     def _end_epoch(
         self, epoch: int, losses: list[float], step_times: list[float], wall_s: float
@@ -443,6 +551,9 @@ class Trainer:
         }
 
     def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if self.crossover is not None:
             self.crossover.close()
         self.strategy.close()

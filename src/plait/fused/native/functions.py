@@ -3,19 +3,25 @@
 Each function mirrors a torch path of a fused layer and is chosen only where its kernel
 exists: float32 CPU tensors, sizes within the kernels' fixed buffers, and a library that
 built (`plait.fused.native.build`). Callers ask `*_kernels(...)` first and keep their torch
-path when it returns None.
+path when it returns None. The kernels themselves are torch operators
+(`plait.fused.native.ops`), so the profiler names them and `torch.compile` traces a fused
+array through them; under `torch.compile` the `*_kernels` answer is taken once, when the
+graph is traced (switching the kernels off later does not change a compiled graph).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
+from torch import Tensor
 
+from plait.fused.native import ops
 from plait.fused.native.build import load
+from plait.fused.native.ops import Kernels
+from plait.trace import profiler_active
 
 #: Widest attention head and layer-norm row served: the kernels keep a head's or a
 #: row's values in fixed-size local arrays, and wider ones are where torch's own
@@ -25,25 +31,48 @@ MAX_WIDTH = 64
 MAX_SEQ = 32
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ops() -> Any:
+    """The operators through the dispatcher where someone looks (`torch.compile` tracing,
+    a profiler recording), else their implementations called directly: the dispatcher's
+    round trip into Python costs microseconds per call, a tenth of a sweep-sized kernel."""
+    if torch.compiler.is_compiling() or profiler_active():
+        return ops
+    return ops.direct
 
 
-def _is_cpu_f32(*tensors: torch.Tensor | None) -> bool:
+def _is_cpu_f32(*tensors: Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
                for t in tensors)  # fmt: skip
 
 
-def attention_kernels(
-    qkv: torch.Tensor, *, heads: int, mask: torch.Tensor | None
-) -> ctypes.CDLL | None:
-    """The library serving self-attention over this packed [batch, T, 3E] input, or None."""
+def _find_kernels(seq: int = 0, head: int = 0, width: int = 0) -> Kernels | None:
+    """The sizes of the library compiled for these sizes (0: not a parameter), or None.
+
+    Building or loading a library is no graph operation: `torch.compile` calls this once
+    while tracing and keeps its answer as a constant.
+    """
+    sizes = {k: v for k, v in (("SEQ", seq), ("HEAD", head), ("WIDTH", width)) if v}
+    lib = load(**sizes)
+    if lib is None:
+        return None
+    key = tuple(sorted(sizes.items()))
+    ops.served[key] = lib
+    return key
+
+
+_kernels = cast(
+    "Callable[..., Kernels | None]", torch.compiler.assume_constant_result(_find_kernels)
+)
+
+
+def attention_kernels(qkv: Tensor, *, heads: int, mask: Tensor | None) -> Kernels | None:
+    """The kernels serving self-attention over this packed [batch, T, 3E] input, or None."""
     if qkv.dim() != 3 or not _is_cpu_f32(qkv, mask):
         return None
     t, d = qkv.shape[1], qkv.shape[2] // (3 * heads)
     if not (1 <= t <= MAX_SEQ and 1 <= d <= MAX_WIDTH):
         return None
-    return load(SEQ=t, HEAD=d)
+    return _kernels(seq=t, head=d)
 
 
 class PackedAttention(torch.autograd.Function):
@@ -53,59 +82,38 @@ class PackedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # noqa: PLR0917 (autograd.Function.apply passes arguments by position)
-        ctx: Any,
-        qkv: torch.Tensor,
-        heads: int,
-        mask: torch.Tensor | None,
-        scale: float,
-        lib: ctypes.CDLL,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, qkv: Tensor, heads: int, mask: Tensor | None, scale: float) -> Tensor:
         qkv = qkv.contiguous()
-        nb, t, e3 = qkv.shape
-        out = qkv.new_empty(nb, t, e3 // 3)
-        probs = qkv.new_empty(nb, heads, t, t)
-        strides = (0, 0, 0, 0) if mask is None else mask.stride()
-        threads = torch.get_num_threads()
-        lib.attention_forward(qkv.data_ptr(), _ptr(mask), *strides, out.data_ptr(),
-                              probs.data_ptr(), nb, heads, scale, threads)  # fmt: skip
+        out, probs = _ops().attention(qkv, mask, heads, scale)
         ctx.save_for_backward(qkv, probs)
-        ctx.heads, ctx.scale, ctx.lib = heads, scale, lib
-        return out
+        ctx.heads, ctx.scale = heads, scale
+        return out  # type: ignore[no-any-return]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         qkv, probs = ctx.saved_tensors
-        grad = grad.contiguous()
-        dqkv = torch.empty_like(qkv)
-        ctx.lib.attention_backward(qkv.data_ptr(), probs.data_ptr(), grad.data_ptr(),
-                                   dqkv.data_ptr(), qkv.shape[0], ctx.heads, ctx.scale,
-                                   torch.get_num_threads())  # fmt: skip
-        return dqkv, None, None, None, None
+        dqkv = _ops().attention_backward(qkv, probs, grad.contiguous(), ctx.heads, ctx.scale)
+        return dqkv, None, None, None
 
 
-def packed_attention(
-    qkv: torch.Tensor, *, heads: int, mask: torch.Tensor | None, lib: ctypes.CDLL
-) -> torch.Tensor:
-    """`plait.fused.ops.attention.packed_attention` on the native kernel (from
+def packed_attention(qkv: Tensor, *, heads: int, mask: Tensor | None, lib: Kernels) -> Tensor:
+    """`plait.fused.ops.attention.packed_attention` on the native kernel (`lib` from
     `attention_kernels`); `mask` is additive and broadcastable to [batch, H, T, T]."""
     nb, t, e3 = qkv.shape
     if mask is not None:
         mask = mask.expand(nb, heads, t, t)
-    out: torch.Tensor = PackedAttention.apply(
-        qkv, heads, mask, 1.0 / math.sqrt(e3 // (3 * heads)), lib
-    )
+    out: Tensor = PackedAttention.apply(qkv, heads, mask, 1.0 / math.sqrt(e3 // (3 * heads)))
     return out
 
 
 def layer_norm_kernels(
-    x: torch.Tensor, *, width: int, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> ctypes.CDLL | None:
-    """The library serving layer norm of `width`-wide rows of x, or None."""
+    x: Tensor, *, width: int, weight: Tensor | None, bias: Tensor | None
+) -> Kernels | None:
+    """The kernels serving layer norm of `width`-wide rows of x, or None."""
     if not (1 <= width <= MAX_WIDTH) or not _is_cpu_f32(x, weight, bias):
         return None
-    return load(WIDTH=width)
+    return _kernels(width=width)
 
 
 class AffineLayerNorm(torch.autograd.Function):
@@ -113,78 +121,62 @@ class AffineLayerNorm(torch.autograd.Function):
     ([models, width], or None): the normalisation and the affine in one pass each way."""
 
     @staticmethod
-    def forward(  # noqa: PLR0917 (autograd.Function.apply passes arguments by position)
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        eps: float,
-        lib: ctypes.CDLL,
-    ) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    ) -> Tensor:
         x = x.contiguous()
-        models, rows, _ = x.shape
         w = None if weight is None else weight.contiguous()
         b = None if bias is None else bias.contiguous()
-        y = torch.empty_like(x)
-        mean = x.new_empty(models * rows)
-        rstd = x.new_empty(models * rows)
-        threads = torch.get_num_threads()
-        lib.layer_norm_forward(x.data_ptr(), _ptr(w), _ptr(b), y.data_ptr(), mean.data_ptr(),
-                               rstd.data_ptr(), models, rows, eps, threads)  # fmt: skip
+        y, mean, rstd = _ops().layer_norm(x, w, b, eps)
         ctx.save_for_backward(x, mean, rstd, w)
-        ctx.lib, ctx.has_bias = lib, bias is not None
-        return y
+        ctx.has_bias = bias is not None
+        return y  # type: ignore[no-any-return]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, mean, rstd, w = ctx.saved_tensors
-        grad = grad.contiguous()
-        models, rows, _ = x.shape
-        dx = torch.empty_like(x)
-        dw = None if w is None or not ctx.needs_input_grad[1] else torch.empty_like(w)
-        db = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = x.new_empty(models, x.shape[2])
-        ctx.lib.layer_norm_backward(grad.data_ptr(), x.data_ptr(), mean.data_ptr(),
-                                    rstd.data_ptr(), _ptr(w), dx.data_ptr(), _ptr(dw),
-                                    _ptr(db), models, rows, torch.get_num_threads())  # fmt: skip
-        return dx, dw, db, None, None
+        weight_grad = w is not None and ctx.needs_input_grad[1]
+        bias_grad = ctx.has_bias and ctx.needs_input_grad[2]
+        dx, dw, db = _ops().layer_norm_backward(
+            grad.contiguous(), x, mean, rstd, w, weight_grad, bias_grad
+        )
+        return dx, dw if weight_grad else None, db if bias_grad else None, None
 
 
 def layer_norm(
-    x: torch.Tensor,
+    x: Tensor,
     *,
     width: int,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
     eps: float,
-    lib: ctypes.CDLL,
-) -> torch.Tensor:
+    lib: Kernels,
+) -> Tensor:
     """Layer norm over the trailing `width` elements of x [B, ...], with model b's affine
     from weight[b] and bias[b] ([B, ...] holding `width` elements each, or None)."""
     models = x.shape[0] if weight is not None or bias is not None else 1
     flat = x.reshape(models, -1, width)
     w = None if weight is None else weight.reshape(models, width)
     b = None if bias is None else bias.reshape(models, width)
-    y: torch.Tensor = AffineLayerNorm.apply(flat, w, b, eps, lib)
+    y: Tensor = AffineLayerNorm.apply(flat, w, b, eps)
     return y.view(x.shape)
 
 
-def adam_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library serving `adam_step` over these tensors (float32, CPU, contiguous), or None."""
+def adam_kernels(*tensors: Tensor) -> Kernels | None:
+    """The kernels serving `adam_step` over these tensors (float32, CPU, contiguous), or None."""
     if not all(t.is_contiguous() for t in tensors) or not _is_cpu_f32(*tensors):
         return None
-    return load()
+    return _kernels()
 
 
 def adam_step(
-    lib: ctypes.CDLL,
+    lib: Kernels,
     *,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
     step_size: list[float],
     beta1: float,
     beta2: float,
@@ -193,24 +185,10 @@ def adam_step(
 ) -> None:
     """Adam over B models in place: params[i] and grads[i] are [B, ...], exp_avg and
     exp_avg_sq flat [B, T] with the parameters side by side in order; model b moves by
-    step_size[b] (its lr / (1 - beta1^step)) times m / (sqrt(v) / bc2_sqrt + eps)."""
-    models, total = exp_avg.shape
-    sizes, offsets = _sizes_and_offsets(tuple(p.numel() // models for p in params))
-    n = len(params)
-    ptrs = ctypes.c_void_p * n
-    lib.adam_step(n, sizes, offsets,
-                  ptrs(*[p.data_ptr() for p in params]), ptrs(*[g.data_ptr() for g in grads]),
-                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), models, total,
-                  (ctypes.c_float * models)(*step_size), beta1, beta2, eps, bc2_sqrt,
-                  torch.get_num_threads())  # fmt: skip
+    step_size[b] (its lr / (1 - beta1^step)) times m / (sqrt(v) / bc2_sqrt + eps).
+    `lib` is `adam_kernels`'s answer."""
+    _ops().adam_step(params, grads, exp_avg, exp_avg_sq, [float(s) for s in step_size],
+                  beta1, beta2, eps, bc2_sqrt)  # fmt: skip
     # the kernel wrote the parameters behind autograd's back: bump their version counters
     # as an in-place torch op would, so a graph that saved them reports the change
     torch.autograd.graph.increment_version(params)
-
-
-@functools.lru_cache(maxsize=256)
-def _sizes_and_offsets(sizes: tuple[int, ...]) -> tuple[ctypes.Array[ctypes.c_int64], ...]:
-    """Per-model parameter sizes and their column offsets in the flat state, as C arrays
-    (made once per layout: the step is called with the same layout every time)."""
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return (ctypes.c_int64 * len(sizes))(*sizes), (ctypes.c_int64 * len(sizes))(*offsets)

@@ -1,0 +1,232 @@
+"""The native kernels as torch operators: ``torch.ops.plait.*``.
+
+Each kernel is defined in the ``plait`` operator namespace with a CPU implementation
+(the ctypes call) and a fake one that only computes output shapes. Through the
+dispatcher the profiler names them (``plait::attention``, ...), and `torch.compile`
+keeps them in its graph as opaque calls (their fake implementations give it the shapes)
+instead of breaking the graph at a ctypes call it cannot trace.
+
+They are defined with `torch.library.Library` rather than the `torch.library.custom_op`
+decorator, whose Python wrappers cost several times more per call (measured), and
+autograd stays with the `torch.autograd.Function` wrappers in
+`plait.fused.native.functions`, which call the implementations directly (`direct`) when
+nobody traces or profiles.
+
+The operators find their library by the sizes of their inputs in `served`, which
+`plait.fused.native.functions` fills when it chooses a kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Which compiled library serves a size: ``(("HEAD", 16), ("SEQ", 8))``, ``()`` for Adam.
+Kernels = tuple[tuple[str, int], ...]
+#: The libraries chosen so far, by their sizes.
+served: dict[Kernels, ctypes.CDLL] = {}
+
+_LIB = torch.library.Library("plait", "DEF")
+_SCHEMAS = {
+    "attention": "(Tensor qkv, Tensor? mask, int heads, float scale) -> (Tensor, Tensor)",
+    "attention_backward": "(Tensor qkv, Tensor probs, Tensor grad, int heads, float scale) "
+    "-> Tensor",
+    "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+    "layer_norm_backward": "(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
+    "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)",
+    "adam_step": "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
+    "Tensor(c!) exp_avg_sq, float[] step_size, float beta1, float beta2, float eps, "
+    "float bc2_sqrt) -> ()",
+}
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+
+
+def _library(**sizes: int) -> ctypes.CDLL:
+    return served[tuple(sorted(sizes.items()))]
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _register(name: str, cpu: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    _LIB.impl(name, cpu, "CPU")
+    torch.library.register_fake(f"plait::{name}", fake, lib=_LIB)
+
+
+# ------------------------------------------------------------------------------ attention
+def _attention(qkv: Tensor, mask: Tensor | None, heads: int, scale: float) -> tuple[Tensor, Tensor]:
+    """softmax(scale * q k^T + mask) v for every (sequence, head) of a contiguous packed
+    [batch, T, 3E] projection; the output and the probabilities (for the backward)."""
+    nb, t, e3 = qkv.shape
+    lib = _library(SEQ=t, HEAD=e3 // (3 * heads))
+    out = qkv.new_empty(nb, t, e3 // 3)
+    probs = qkv.new_empty(nb, heads, t, t)
+    strides = (0, 0, 0, 0) if mask is None else mask.stride()
+    lib.attention_forward(qkv.data_ptr(), _ptr(mask), *strides, out.data_ptr(),
+                          probs.data_ptr(), nb, heads, scale, torch.get_num_threads())  # fmt: skip
+    return out, probs
+
+
+def _attention_fake(
+    qkv: Tensor, mask: Tensor | None, heads: int, scale: float
+) -> tuple[Tensor, Tensor]:
+    nb, t, e3 = qkv.shape
+    return qkv.new_empty(nb, t, e3 // 3), qkv.new_empty(nb, heads, t, t)
+
+
+def _attention_backward(
+    qkv: Tensor, probs: Tensor, grad: Tensor, heads: int, scale: float
+) -> Tensor:
+    t, e3 = qkv.shape[1], qkv.shape[2]
+    lib = _library(SEQ=t, HEAD=e3 // (3 * heads))
+    dqkv = torch.empty_like(qkv)
+    lib.attention_backward(qkv.data_ptr(), probs.data_ptr(), grad.data_ptr(), dqkv.data_ptr(),
+                           qkv.shape[0], heads, scale, torch.get_num_threads())  # fmt: skip
+    return dqkv
+
+
+def _attention_backward_fake(
+    qkv: Tensor, probs: Tensor, grad: Tensor, heads: int, scale: float
+) -> Tensor:
+    return torch.empty_like(qkv)
+
+
+# ----------------------------------------------------------------------------- layer norm
+def _layer_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer norm of contiguous [models, rows, width] with each model's weight and bias
+    ([models, width] or None); the output, and each row's mean and 1/deviation."""
+    models, rows, width = x.shape
+    lib = _library(WIDTH=width)
+    y = torch.empty_like(x)
+    mean = x.new_empty(models * rows)
+    rstd = x.new_empty(models * rows)
+    lib.layer_norm_forward(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(),
+                           mean.data_ptr(), rstd.data_ptr(), models, rows, eps,
+                           torch.get_num_threads())  # fmt: skip
+    return y, mean, rstd
+
+
+def _layer_norm_fake(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    models, rows, _ = x.shape
+    return torch.empty_like(x), x.new_empty(models * rows), x.new_empty(models * rows)
+
+
+def _layer_norm_grads(
+    x: Tensor, weight: Tensor | None, weight_grad: bool, bias_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty gradients; the weight's and bias's are empty (0 elements) where not asked for:
+    an operator returns tensors, never None."""
+    dw = torch.empty_like(weight) if weight is not None and weight_grad else x.new_empty(0)
+    db = x.new_empty(x.shape[0], x.shape[2]) if bias_grad else x.new_empty(0)
+    return torch.empty_like(x), dw, db
+
+
+def _layer_norm_backward(  # noqa: PLR0917 (an operator's schema is positional)
+    grad: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    models, rows, width = x.shape
+    lib = _library(WIDTH=width)
+    dx, dw, db = _layer_norm_grads(x, weight, weight_grad, bias_grad)
+    lib.layer_norm_backward(grad.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                            _ptr(weight), dx.data_ptr(), _ptr(dw), _ptr(db), models, rows,
+                            torch.get_num_threads())  # fmt: skip
+    return dx, dw, db
+
+
+def _layer_norm_backward_fake(  # noqa: PLR0917
+    grad: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _layer_norm_grads(x, weight, weight_grad, bias_grad)
+
+
+# ----------------------------------------------------------------------------------- Adam
+def _adam_step(  # noqa: PLR0917 (an operator's schema is positional)
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step_size: list[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    bc2_sqrt: float,
+) -> None:
+    """Adam over B models in place (see `plait.fused.native.functions.adam_step`)."""
+    lib = _library()
+    models, total = exp_avg.shape
+    sizes, offsets = _sizes_and_offsets(tuple(p.numel() // models for p in params))
+    n = len(params)
+    ptrs = ctypes.c_void_p * n
+    lib.adam_step(n, sizes, offsets,
+                  ptrs(*[p.data_ptr() for p in params]), ptrs(*[g.data_ptr() for g in grads]),
+                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), models, total,
+                  (ctypes.c_float * models)(*step_size), beta1, beta2, eps, bc2_sqrt,
+                  torch.get_num_threads())  # fmt: skip
+
+
+def _adam_step_fake(  # noqa: PLR0917
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step_size: list[float],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    bc2_sqrt: float,
+) -> None:
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _sizes_and_offsets(sizes: tuple[int, ...]) -> tuple[ctypes.Array[ctypes.c_int64], ...]:
+    """Per-model parameter sizes and their column offsets in the flat state, as C arrays
+    (made once per layout: the step is called with the same layout every time)."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return (ctypes.c_int64 * len(sizes))(*sizes), (ctypes.c_int64 * len(sizes))(*offsets)
+
+
+_register("attention", _attention, _attention_fake)
+_register("attention_backward", _attention_backward, _attention_backward_fake)
+_register("layer_norm", _layer_norm, _layer_norm_fake)
+_register("layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake)
+_register("adam_step", _adam_step, _adam_step_fake)
+
+attention = torch.ops.plait.attention.default
+attention_backward = torch.ops.plait.attention_backward.default
+layer_norm = torch.ops.plait.layer_norm.default
+layer_norm_backward = torch.ops.plait.layer_norm_backward.default
+adam_step = torch.ops.plait.adam_step.default
+
+#: The implementations themselves, without the dispatcher (see `plait.fused.native.functions`).
+direct = SimpleNamespace(
+    attention=_attention,
+    attention_backward=_attention_backward,
+    layer_norm=_layer_norm,
+    layer_norm_backward=_layer_norm_backward,
+    adam_step=_adam_step,
+)
