@@ -180,11 +180,17 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     (`plait.parallel.derive`) when it has a stack of repeated blocks, and otherwise the
     fallback adapter (data parallelism and ZeRO only).
     """
-    for cls in type(model).__mro__:
-        if cls in _ADAPTERS:
-            return _ADAPTERS[cls]
     from plait.parallel.derive import derived_adapter
 
+    for cls in type(model).__mro__:
+        if cls in _ADAPTERS:
+            adapter = _ADAPTERS[cls]
+            # a chain of repeated blocks (an MLP of residual blocks) shards them by tensor
+            if type(adapter) is SequentialAdapter and not adapter._layers(model):
+                derived = derived_adapter(model)
+                if derived is not None and derived.dims(model).layers:
+                    return derived
+            return adapter
     return derived_adapter(model) or ModelAdapter()
 
 

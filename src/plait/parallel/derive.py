@@ -158,12 +158,20 @@ def structural_block_plan(block: nn.Module) -> dict[str, str]:
     return {}
 
 
+def _weight_shape(m: nn.Module) -> tuple[int, int]:
+    """(in, out) of a linear-like layer (`Conv1D` stores ``[in, out]``, Linear the reverse)."""
+    w = m.weight
+    assert isinstance(w, torch.Tensor)
+    rows, cols = int(w.shape[0]), int(w.shape[1])
+    return (rows, cols) if _is_conv1d(m) else (cols, rows)
+
+
 def _in_features(m: nn.Module) -> int:
-    return int(m.weight.shape[0] if _is_conv1d(m) else m.weight.shape[1])
+    return _weight_shape(m)[0]
 
 
 def _out_features(m: nn.Module) -> int:
-    return int(m.weight.shape[1] if _is_conv1d(m) else m.weight.shape[0])
+    return _weight_shape(m)[1]
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -198,12 +206,16 @@ class FusedColwiseParallel(ParallelStyle):
             if isinstance(x, DTensor):
                 x = x.to_local()
             x = _SumGradOverGroup.apply(x, group)
-            w = module.weight.to_local()  # type: ignore[operator]
-            b = module.bias.to_local() if module.bias is not None else None  # type: ignore[operator]
+            w = _local(module.weight)
+            b = _local(module.bias) if module.bias is not None else None
             return F.linear(x, w, b)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward  # type: ignore[assignment]
         return module
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -381,7 +393,9 @@ def _bert_units(model: nn.Module) -> list[Unit] | None:
         ("bert.embeddings", BoundUnit({"bert.embeddings": emb}, lambda x: emb(input_ids=x)))
     ]
     units += [(f"bert.encoder.layer.{i}", b) for i, b in enumerate(base.encoder.layer)]
-    return [*units, ("cls", model.cls)]
+    head = model.cls
+    assert isinstance(head, nn.Module)
+    return [*units, ("cls", head)]
 
 
 # ---------------------------------------------------------------------- adapter
@@ -484,11 +498,11 @@ def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _linear_from_conv1d(conv: nn.Module) -> nn.Linear:
-    w = conv.weight
-    lin = nn.Linear(w.shape[0], w.shape[1], bias=conv.bias is not None, device=w.device,
-                    dtype=w.dtype)  # fmt: skip
+    w, bias = conv.weight, conv.bias
+    assert isinstance(w, torch.Tensor)
+    lin = nn.Linear(w.shape[0], w.shape[1], bias=bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w.t())
-        if conv.bias is not None:
-            lin.bias.copy_(conv.bias)
+        if isinstance(bias, torch.Tensor):
+            lin.bias.copy_(bias)
     return lin
