@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 VOCAB = 64
 SEQ = 16
 
 
-def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False) -> nn.Module:
+def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False) -> Any:
     """GPT-2: Conv1D layers, fused q/k/v; untied so that pipelines may split it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -20,7 +21,7 @@ def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def llama(*, heads: int = 4, width: int = 32) -> nn.Module:
+def llama(*, heads: int = 4, width: int = 32) -> Any:
     """Llama: separate q/k/v, grouped-query attention, gated MLP, rotary positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -32,7 +33,7 @@ def llama(*, heads: int = 4, width: int = 32) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def bert() -> nn.Module:
+def bert() -> Any:
     """BERT (masked LM head): post-norm encoder layers."""
     from transformers import BertConfig, BertForMaskedLM
 
@@ -44,4 +45,4 @@ def bert() -> nn.Module:
     return BertForMaskedLM(cfg)
 
 
-HF_MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+HF_MODELS: dict[str, Any] = {"gpt2": gpt2, "llama": llama, "bert": bert}
