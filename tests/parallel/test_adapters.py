@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -46,7 +48,7 @@ def test_head_parallel_attention_equals_multihead_attention(batch_first: bool) -
 
 
 def test_encoder_adapter_converts_attention_and_keeps_outputs() -> None:
-    model = encoder_lm()
+    model: Any = encoder_lm()
     x = torch.randint(0, 64, (2, 8))
     want = model(x)
     adapter = adapter_for(model)

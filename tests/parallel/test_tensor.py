@@ -12,6 +12,7 @@ from tests.parallel.common import batches, gpt, loss_fn
 def test_checkpointing_recomputes_the_same_gradients() -> None:
     xs, ys = batches(1)
     plain, ckpt = gpt(), gpt()
+    assert isinstance(ckpt.blocks, torch.nn.ModuleList)
     checkpoint_activations(list(ckpt.blocks))
     loss_fn(plain(xs[0]), ys[0]).backward()
     loss_fn(ckpt(xs[0]), ys[0]).backward()

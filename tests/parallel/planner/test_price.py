@@ -3,6 +3,8 @@ choice explains itself."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from plait.comm import AlphaBeta
@@ -35,6 +37,7 @@ def test_choice_respects_memory_and_network(profile: ComputeProfile) -> None:
                      hardware=Hardware(world=4, network=net))  # fmt: skip
     tight = Hardware(world=4, network=net, memory_bytes=int(0.8 * fastest.best.memory.total))
     limited = choose(dims=dims, profile=profile, hardware=tight, global_batch=GLOBAL_BATCH)
+    assert tight.memory_bytes is not None
     assert limited.best.memory.total <= tight.memory_bytes
     rejected = next(e for e in limited.estimates if e.plan == fastest.plan)
     assert not rejected.fits and rejected.time_s <= limited.best.time_s
@@ -52,7 +55,7 @@ def test_no_schedule_beats_the_shared_cores(profile: ComputeProfile) -> None:
     # a fixed profile (blocks 90% of the time, no per-send overhead) so that the bound binds
     fixed = ComputeProfile(sample_s=0.01, block_share=0.9, acts=profile.acts, op_overhead_s=0.0)
     free = AlphaBeta(alpha=0.0, beta=0.0)
-    kw = {"dims": dims, "profile": fixed, "global_batch": GLOBAL_BATCH}
+    kw: dict[str, Any] = {"dims": dims, "profile": fixed, "global_batch": GLOBAL_BATCH}
     zb_plan = Plan(dp=2, pp=2, schedule=Schedule.ZERO_BUBBLE, microbatches=2)
     gpipe_plan = Plan(dp=2, pp=2, schedule=Schedule.GPIPE, microbatches=2)
     shared = Hardware(world=4, network=free, slots=2)

@@ -73,6 +73,7 @@ def auto_plan(
     )
     dims = adapter_for(model).dims(model)
     choice = choose(dims=dims, profile=profile, hardware=hw, global_batch=gb)
+    choice.model_notes += model_notes(model)
     if trials > 1 and world > 1:
         short = shortlist(choice.estimates, trials)
         for plan in short:
@@ -116,8 +117,23 @@ def plan_workload(
     hw = Hardware(world=world, network=network, memory_bytes=memory_bytes, slots=slots)
     dims = adapter_for(model).dims(model)
     states = 2 if wl.optimizer in ("adam", "adamw") else 1
-    return choose(dims=dims, profile=profile, hardware=hw, global_batch=batch * world,
-                  optimizer_states=states)  # fmt: skip
+    choice = choose(dims=dims, profile=profile, hardware=hw, global_batch=batch * world,
+                    optimizer_states=states)  # fmt: skip
+    choice.model_notes += model_notes(model)
+    return choice
+
+
+def model_notes(model: nn.Module) -> list[str]:
+    """What the planner knows of the model's splits, in words (for `Choice.reason`)."""
+    adapter = adapter_for(model)
+    blocks = adapter.blocks(model)
+    if not blocks:
+        return [f"{type(model).__name__} has no block stack: data parallelism and ZeRO only"]
+    source = getattr(adapter, "plan_source", None)
+    where = f" from {source()}" if callable(source) else ""
+    return [
+        f"{len(blocks)} blocks of {type(model).__name__} ({blocks[0]}, ...); tensor plan{where}"
+    ]
 
 
 def _rank() -> int:

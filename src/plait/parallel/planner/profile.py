@@ -28,6 +28,7 @@ from plait.parallel.adapters import adapter_for
 from plait.parallel.api import LossFn, cross_entropy
 from plait.parallel.memory import measure_activations
 from plait.parallel.planner.price import ComputeProfile
+from plait.workloads import logits_of
 
 
 def profile_model(
@@ -96,8 +97,15 @@ def tensor_parallel_overhead(
     if not names:
         return (0.0, 0.0)
     block = model.get_submodule(names[0])
-    seen: list[torch.Tensor] = []
-    hook = block.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def grab(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # blocks of models nobody here wrote take more than the hidden states (position
+        # embeddings, masks, hidden states by keyword): replay the call as the model made it
+        if not seen:
+            seen.append((args, dict(kwargs)))
+
+    hook = block.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.no_grad():
             model(x)
@@ -117,12 +125,20 @@ def tensor_parallel_overhead(
     return out[0], out[1]
 
 
-def _time_block(block: nn.Module, x: torch.Tensor, repeats: int) -> float:
+def _time_block(
+    block: nn.Module, call: tuple[tuple[Any, ...], dict[str, Any]], repeats: int
+) -> float:
+    args, kwargs = call
     times = []
     for i in range(repeats + 1):
-        inp = x.clone().requires_grad_(True)
+        if args:
+            a, kw = (args[0].detach().clone().requires_grad_(True), *args[1:]), kwargs
+        else:
+            h = kwargs["hidden_states"].detach().clone().requires_grad_(True)
+            a, kw = args, {**kwargs, "hidden_states": h}
         t0 = time.perf_counter()
-        block(inp).sum().backward()
+        out = block(*a, **kw)
+        logits_of(out).sum().backward()
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
