@@ -46,3 +46,19 @@ def bert() -> Any:
 
 
 HF_MODELS: dict[str, Any] = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def llama_workload() -> Any:
+    """A user workload (``tests.parallel.hf_models:llama_workload``) of the tiny Llama."""
+    from torch.utils.data import TensorDataset
+
+    from plait.workloads import DataInfo, DataSplit, Task, Workload
+
+    def real() -> DataSplit:
+        x = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(0))
+        info = DataInfo(input_shape=(SEQ,), num_classes=VOCAB, block_size=SEQ, input_vocab=VOCAB)
+        return DataSplit(train=TensorDataset(x, torch.roll(x, -1, 1)), test=None, info=info,
+                         name="random tokens")  # fmt: skip
+
+    return Workload(name="tiny-llama", build=lambda info, **_: llama(), real=real,
+                    task=Task.LANGUAGE_MODEL, bench_batch=8, optimizer="adamw")  # fmt: skip
