@@ -65,8 +65,16 @@ KNOWN_LAYOUTS: tuple[tuple[tuple[str, ...], str], ...] = (
 )  # fmt: skip - one layout per line reads as the table it is
 
 #: Norms of a block that sequence parallelism runs on sequence shards.
-NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "ln_1", "ln_2", "ln1", "ln2",
-              "norm1", "norm2")  # fmt: skip
+NORM_NAMES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "ln_1",
+    "ln_2",
+    "ln1",
+    "ln2",
+    "norm1",
+    "norm2",
+)
 #: The sub-modules whose input sequence parallelism gathers (the start of a column split).
 SUBLAYER_NAMES = ("self_attn", "attn", "mlp")
 
@@ -299,8 +307,9 @@ def sequence_obstacle(block: nn.Module) -> str:
     the residual sum the sub-layer computes itself; plait shards the norms that are
     children of the block (pre-norm decoders).
     """
-    nested = [n for n, m in block.named_modules()
-              if "Norm" in type(m).__name__ and n not in NORM_NAMES]  # fmt: skip
+    nested = [
+        n for n, m in block.named_modules() if "Norm" in type(m).__name__ and n not in NORM_NAMES
+    ]
     if not nested:
         return ""
     return (
