@@ -208,7 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_fused_parser(sub)
 
     pl = sub.add_parser("plan", help="the automatic parallelism planner's choice and table")
-    pl.add_argument("--workload", default="gpt", help="mlp, resnet18, vgg or gpt")
+    pl.add_argument(
+        "--workload",
+        default="gpt",
+        help="a registered workload (mlp, resnet18, vgg, gpt) or a factory "
+        "pkg.module:factory / path/to/file.py:factory",
+    )
     pl.add_argument("--nodes", type=int, default=4, help="nodes of the cluster to plan for")
     pl.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
     pl.add_argument(
@@ -895,8 +900,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         threads=args.threads,
     )
-    print(f"plait plan: {args.workload} on {args.nodes} node(s) x {args.nproc_per_node}: "
-          f"{choice.plan.describe()}\n")  # fmt: skip
+    print(
+        f"plait plan: {args.workload} on {args.nodes} node(s) x {args.nproc_per_node}: "
+        f"{choice.plan.describe()}\n\nwhy: {choice.reason}\n"
+    )
     print(choice.table(limit=None if args.all else 25))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from plait.models import gpt_parallel
 from plait.models.gpt import GPT
 from plait.models.mlp import MLP
 
@@ -63,6 +64,10 @@ class ModelDims:
         block_params: parameters of one block.
         seq_len: training sequence length, 0 when unknown.
         vocab: vocabulary size (0: not a language model).
+        kv_heads: key/value heads when fewer than `heads` (grouped-query attention; 0:
+            as many as `heads`).
+        where: the first block, named in errors (``"model.layers.0 (LlamaDecoderLayer)"``).
+        no_sequence: why sequence parallelism cannot shard this model ("" if it can).
     """
 
     layers: int
@@ -73,6 +78,9 @@ class ModelDims:
     block_params: int
     seq_len: int = 0
     vocab: int = 0
+    kv_heads: int = 0
+    where: str = ""
+    no_sequence: str = ""
 
     @property
     def other_params(self) -> int:
@@ -88,9 +96,20 @@ class ModelDims:
                 "plan: tp > 1 but the model has no tensor-parallel plan; register a "
                 "ModelAdapter for it (plait.parallel.register_adapter)"
             )
-        for name, value in (("heads", self.heads), ("hidden", self.hidden), ("ffn", self.ffn)):
+        dims = (
+            ("heads", self.heads),
+            ("key/value heads", self.kv_heads),
+            ("hidden", self.hidden),
+            ("ffn", self.ffn),
+        )
+        for name, value in dims:
             if value and value % tp:
-                raise ValueError(f"plan: tensor degree tp={tp} does not divide {name}={value}")
+                where = f" of {self.where}" if self.where else ""
+                raise ValueError(
+                    f"plan: tensor degree tp={tp} does not divide {name}={value}{where}"
+                )
+        if sequence and self.no_sequence:
+            raise ValueError(f"plan: {self.no_sequence}")
         if sequence and self.seq_len and self.seq_len % tp:
             raise ValueError(
                 f"plan: sequence parallelism with tp={tp} needs the sequence length "
@@ -155,11 +174,42 @@ def register_adapter(
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
-    """The adapter registered for the most specific class of `model` (fallback: none)."""
+    """The adapter registered for the most specific class of `model`.
+
+    A model of no registered class gets a plan derived from its structure
+    (`plait.parallel.derive`) when it has a stack of repeated blocks, and otherwise the
+    fallback adapter (data parallelism and ZeRO only).
+    """
+    from plait.parallel.derive import derived_adapter
+
     for cls in type(model).__mro__:
         if cls in _ADAPTERS:
-            return _ADAPTERS[cls]
-    return ModelAdapter()
+            adapter = _ADAPTERS[cls]
+            # a chain of repeated blocks (an MLP of residual blocks) shards them by tensor
+            if type(adapter) is SequentialAdapter and not adapter._layers(model):
+                derived = derived_adapter(model)
+                if derived is not None and derived.dims(model).layers:
+                    return derived
+            return adapter
+    return derived_adapter(model) or ModelAdapter()
+
+
+class BoundUnit(nn.Module):
+    """A pipeline unit that calls `fn(x)` and registers `targets` under their own names.
+
+    Blocks of models nobody here wrote take more than one tensor (position embeddings,
+    masks); a bound unit supplies the rest while the block itself stays registered under
+    its qualified name in the stage, so state-dict keys do not change. `targets` are held
+    outside the module tree (the stage registers them).
+    """
+
+    def __init__(self, targets: dict[str, nn.Module], fn: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.targets = dict(targets)  # a plain dict: not registered here
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
 
 
 def _count(module: nn.Module) -> int:
@@ -197,36 +247,8 @@ def _megatron_mlp_attention(
 
 
 # ---------------------------------------------------------------------------- GPT
-class _GPTEmbed(nn.Module):
-    """Token and position embeddings of a GPT, under their original attribute names."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.tok_emb = gpt.tok_emb
-        self.pos_emb = gpt.pos_emb
-        self.drop = gpt.drop
-        self.block_size = gpt.cfg.block_size
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # type: ignore[no-any-return]
-
-
-class _GPTHead(nn.Module):
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.ln_f = gpt.ln_f
-        self.head = gpt.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))  # type: ignore[no-any-return]
-
-
 class GPTAdapter(ModelAdapter):
-    """plait's GPT: blocks of separate q/k/v/o projections and a fc/proj MLP."""
+    """plait's GPT: its plan lives beside the model (`plait.models.gpt_parallel`)."""
 
     def dims(self, model: nn.Module) -> ModelDims:
         assert isinstance(model, GPT)
@@ -240,32 +262,19 @@ class GPTAdapter(ModelAdapter):
             block_params=_count(model.blocks[0]),
             seq_len=cfg.block_size,
             vocab=cfg.vocab_size,
+            where="blocks.0 (Block)",
         )
 
     def blocks(self, model: nn.Module) -> list[str]:
         assert isinstance(model, GPT)
-        return [f"blocks.{i}" for i in range(len(model.blocks))]
+        return gpt_parallel.block_names(model)
 
     def block_plan(self, block: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        plan = _megatron_mlp_attention(
-            q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.o_proj",
-            fc="mlp.fc", proj="mlp.proj", seq_dim=1, sequence_parallel=sequence_parallel,
-        )  # fmt: skip
-        if sequence_parallel:
-            for norm in ("ln1", "ln2"):
-                plan[norm] = SequenceParallel(use_local_output=True)
-            for sub in ("attn", "mlp"):  # all-gather the sequence before the column split
-                plan[sub] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
-        return plan
+        return gpt_parallel.block_tensor_plan(sequence_parallel=sequence_parallel)
 
     def pipeline_units(self, model: nn.Module) -> list[Unit]:
         assert isinstance(model, GPT)
-        units: list[Unit] = [("", _GPTEmbed(model))]
-        units += [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
-        units.append(("", _GPTHead(model)))
-        return units
+        return gpt_parallel.pipeline_units(model)
 
 
 register_adapter(GPT, GPTAdapter())

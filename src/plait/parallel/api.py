@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,20 +32,36 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.comm import ops
-from plait.parallel.adapters import ModelAdapter, adapter_for
+from plait.parallel.adapters import ModelAdapter, Unit, adapter_for
 from plait.parallel.gradsync import GradientSync
 from plait.parallel.mesh import ParallelMesh
-from plait.parallel.pipeline import StageModule, build_schedule, split_units, stage_indices
+from plait.parallel.pipeline import (
+    StageModule,
+    build_schedule,
+    check_untied,
+    split_units,
+    stage_indices,
+)
 from plait.parallel.plan import Plan, ZeroStage
 from plait.parallel.tensor import apply_tensor_parallel, checkpoint_activations
+from plait.workloads import logits_of
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
-def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position (classifiers and language models alike)."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position (classifiers and language models alike).
+
+    `output` may be what a model nobody here wrote returns: a `ModelOutput` or dict whose
+    own ``loss`` is used when the model computed one (it was given labels), else its
+    ``logits`` (`plait.workloads.logits_of`).
+    """
+    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor) and not isinstance(output, torch.Tensor):
+        return own
+    logits = logits_of(output)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 class ScaledLoss:
@@ -120,11 +136,14 @@ class ParallelModel(nn.Module):
                 checkpoint_activations([model.get_submodule(b) for b in adapter.blocks(model)])
             return cls(plan=plan, mesh=None, adapter=adapter, parts=[model],
                        loss_fn=ScaledLoss(loss_fn))  # fmt: skip
-        mesh = ParallelMesh.build(plan, device=dev)
         blocks = adapter.blocks(model)
+        per_stage: list[list[Unit]] = []
+        if plan.pp > 1:  # checked before the mesh: a model that does not split fails here
+            per_stage = split_units(adapter.pipeline_units(model), blocks, plan.n_stages())
+            check_untied(per_stage)
+        mesh = ParallelMesh.build(plan, device=dev)
         stage_ids = stage_indices(plan.schedule, plan.pp, mesh.rank("pp"))
         if plan.pp > 1:
-            per_stage = split_units(adapter.pipeline_units(model), blocks, plan.n_stages())
             parts: list[nn.Module] = [StageModule(per_stage[s]) for s in stage_ids]
         else:
             parts = [model]

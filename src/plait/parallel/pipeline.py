@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from plait.parallel.adapters import Unit
+from plait.parallel.adapters import BoundUnit, Unit
 from plait.parallel.plan import Schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,7 +39,10 @@ class StageModule(nn.Module):
         super().__init__()
         chain: list[nn.Module] = []
         for name, module in units:
-            if name:
+            if isinstance(module, BoundUnit):
+                for target_name, target in module.targets.items():
+                    _register_at(self, target_name, target)
+            elif name:
                 _register_at(self, name, module)
             else:  # a wrapper whose attributes carry top-level names
                 for child_name, child in module.named_children():
@@ -98,6 +101,29 @@ def split_units(units: Sequence[Unit], blocks: Sequence[str], n_stages: int) -> 
             seen += 1
         out[stage].append(unit)
     return out
+
+
+def check_untied(stages: Sequence[Sequence[Unit]]) -> None:
+    """Raise ValueError when one parameter sits in two stages (tied weights).
+
+    Tied input and output embeddings (GPT-2's ``wte`` and ``lm_head``) would train as two
+    copies on the first and last stage and drift apart.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    for s, units in enumerate(stages):
+        for unit_name, module in units:
+            mods = (
+                module.targets.items() if isinstance(module, BoundUnit) else [(unit_name, module)]
+            )
+            for prefix, m in mods:
+                for pname, p in m.named_parameters():
+                    where = owner.setdefault(id(p), (s, f"{prefix}.{pname}".strip(".")))
+                    if where[0] != s:
+                        raise ValueError(
+                            f"pipeline: parameter {where[1]} (stage {where[0]}) is tied to "
+                            f"{prefix}.{pname} (stage {s}); untie it (for transformers "
+                            "models: tie_word_embeddings=False) or use pp=1"
+                        )
 
 
 def build_schedule(

@@ -12,14 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from plait.parallel.adapters import ModelAdapter
@@ -39,14 +36,8 @@ def apply_tensor_parallel(
             block, mesh, adapter.block_plan(block, sequence_parallel=sequence_parallel)
         )
     if sequence_parallel and blocks:
-        parallelize_module(
-            blocks[0],
-            mesh,
-            PrepareModuleInput(
-                input_layouts=(Replicate(),),
-                desired_input_layouts=(Shard(sequence_dim),),
-                use_local_output=True,
-            ),
+        blocks[0].register_forward_pre_hook(
+            _reshard_hidden_input(mesh, Shard(sequence_dim)), with_kwargs=True
         )
         parallelize_module(
             blocks[-1],
@@ -57,6 +48,31 @@ def apply_tensor_parallel(
                 use_local_output=True,
             ),
         )
+
+
+def _reshard_hidden_input(mesh: DeviceMesh, placement: Placement) -> Callable[..., Any]:
+    """A forward pre-hook cutting a block's replicated hidden states to `placement`.
+
+    The hidden states are the first positional argument or the ``hidden_states`` keyword
+    (how `transformers` blocks are called); other arguments pass unchanged.
+    """
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        d = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return d.redistribute(mesh, [placement]).to_local()
+
+    def hook(
+        _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (cut(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": cut(kwargs["hidden_states"])}
+        raise ValueError(
+            f"sequence parallelism: {type(_m).__name__} takes no hidden-state tensor first"
+        )
+
+    return hook
 
 
 def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:

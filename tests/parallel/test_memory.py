@@ -1,0 +1,76 @@
+"""The memory model against the meter, activation measurement, the size parser."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.parallel import Plan, ZeroStage, adapter_for
+from plait.parallel.memory import (
+    ActivationProfile,
+    PeakMemory,
+    estimate_memory,
+    format_bytes,
+    measure_activations,
+    model_state_bytes,
+    parse_bytes,
+)
+from tests.parallel.common import batches, gpt, loss_fn
+
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def acts() -> ActivationProfile:
+    xs, ys = batches(1)
+    return measure_activations(gpt(), xs[0], ys[0], loss_fn)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes(1000) == 1000
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+
+
+def test_format_bytes_picks_the_largest_binary_unit() -> None:
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(12) == "12 B"
+
+
+def test_zero3_divides_model_state(acts: ActivationProfile) -> None:
+    model = gpt()
+    dims = adapter_for(model).dims(model)
+    plain = estimate_memory(Plan(dp=4), dims=dims, acts=acts, global_batch=GLOBAL_BATCH)
+    zero3 = estimate_memory(Plan(dp=4, zero=ZeroStage.PARAMETERS), dims=dims, acts=acts,
+                            global_batch=GLOBAL_BATCH)  # fmt: skip
+    assert zero3.model_state == pytest.approx(plain.model_state / 4)
+
+
+def test_memory_model_bounds_the_measured_peak(acts: ActivationProfile) -> None:
+    """The model may overestimate (it must never let a plan run out), but not wildly."""
+    xs, ys = batches(2)
+    meter = PeakMemory()
+    with meter:
+        model = gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i in range(2):
+            if i == 1:
+                meter.reset_peak()  # the steady step, optimizer states allocated
+            opt.zero_grad()
+            loss_fn(model(xs[i]), ys[i]).backward()
+            opt.step()
+    dims = adapter_for(model).dims(model)
+    est = estimate_memory(Plan(dp=1), dims=dims, acts=acts, global_batch=xs.shape[1])
+    assert model_state_bytes(model, opt) == pytest.approx(est.model_state, rel=0.01)
+    assert meter.peak <= est.total <= 2 * meter.peak
+
+
+def test_activations_scale_with_batch() -> None:
+    xs, ys = batches(1)
+    small = measure_activations(gpt(), xs[0][:2], ys[0][:2], loss_fn)
+    large = measure_activations(gpt(), xs[0], ys[0], loss_fn)
+    assert small.block > 0
+    assert large.block == pytest.approx(small.block, rel=0.1)  # bytes per sample
