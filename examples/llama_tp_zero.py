@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--plan", default=None,
-                        help="default: tp=2 with ZeRO-3 over the rest of the world")  # fmt: skip
+    parser.add_argument(
+        "--plan", default=None, help="default: tp=2 with ZeRO-3 over the rest of the world"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 

@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_NODES}. `plait train` and `plait bench` also read their flags from a TOML "
         "run config (--config run.toml; examples in configs/).",
     )
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an error (also PLAIT_DEBUG=1)")  # fmt: skip
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (also PLAIT_DEBUG=1)"
+    )
     _add_verbosity_flags(parser, default=False)
     parser.add_argument("--version", action="version", version=_version_text())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark strategies side by side")
     _add_config_arg(b)
     b.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
-    b.add_argument("--strategies", default="ssgd", help="strategy specs, comma-separated; use ; "
-                   "between specs whose options contain commas")  # fmt: skip
+    b.add_argument(
+        "--strategies",
+        default="ssgd",
+        help="strategy specs, comma-separated; use ; between specs whose options contain commas",
+    )
     _add_cluster_args(b, multi_bandwidth=True)
     b.add_argument("--steps", type=int, default=10, help="measured steps per strategy")
     b.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy")
@@ -200,8 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["crossover", "uncoordinated"],
         help="without --compare: run the jobs gated by the token, or not",
     )
-    xr.add_argument("--compare", action="store_true",
-                    help="measure alone (sequential), uncoordinated and crossover")  # fmt: skip
+    xr.add_argument(
+        "--compare",
+        action="store_true",
+        help="measure alone (sequential), uncoordinated and crossover",
+    )
     xr.add_argument("--trace", default=None, help="merged timeline of the co-located jobs")
     xr.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
     _add_sweep_parser(sub)
@@ -268,8 +275,12 @@ def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 if not any("--debug" in a.option_strings for a in child._actions):
-                    child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                                       help="show the traceback of an error")  # fmt: skip
+                    child.add_argument(
+                        "--debug",
+                        action="store_true",
+                        default=argparse.SUPPRESS,
+                        help="show the traceback of an error",
+                    )
                 if not any("--verbose" in a.option_strings for a in child._actions):
                     _add_verbosity_flags(child, default=argparse.SUPPRESS)
                 _add_debug_flag(child)
@@ -432,15 +443,24 @@ def _add_sweep_parser(sub: Any) -> None:
     s.add_argument("--trials", type=int, default=32, help="trials in the study (all processes)")
     s.add_argument("--epochs", type=int, default=10, help="epochs per trial")
     s.add_argument("--study", default=None, help="Optuna study name (default: the workload's)")
-    s.add_argument("--storage", default=None,
-                   help="Optuna storage URL (default sqlite:///runs/plait-sweeps.db; "
-                        "e.g. postgresql://... to share a sweep between machines)")  # fmt: skip
-    s.add_argument("--restart", action="store_true",
-                   help="delete an existing study of that name first (a fresh run)")  # fmt: skip
+    s.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna storage URL (default sqlite:///runs/plait-sweeps.db; "
+        "e.g. postgresql://... to share a sweep between machines)",
+    )
+    s.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete an existing study of that name first (a fresh run)",
+    )
     s.add_argument("--max-models", type=int, default=64, help="largest array to try")
-    s.add_argument("--memory-budget", type=_bytes, default=None,
-                   help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 "
-                        "(default: half of free)")  # fmt: skip
+    s.add_argument(
+        "--memory-budget",
+        type=_bytes,
+        default=None,
+        help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 (default: half of free)",
+    )
     s.add_argument(
         "--pruner",
         default="median",
@@ -490,8 +510,11 @@ def _add_sweep_parser(sub: Any) -> None:
     s.add_argument("--threads", type=int, default=None, help="intra-op threads")
     s.add_argument("--out", default=None, help="report directory (default runs/sweeps/STUDY)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.add_argument("--default-malloc", action="store_true",
-                   help="keep glibc's malloc thresholds (default: raised)")  # fmt: skip
+    s.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's malloc thresholds (default: raised)",
+    )
 
 
 def _add_bench_fused_parser(sub: Any) -> None:
@@ -510,25 +533,41 @@ def _add_bench_fused_parser(sub: Any) -> None:
         "path/to/file.py:factory (--models is the earlier name)",
     )
     f.add_argument("--n", type=_ints, default=(1, 2, 4, 8, 16, 32), help="array sizes")
-    f.add_argument("--strategies", default="fused,serial,concurrent,vmap",
-                   help="fused, serial, concurrent, vmap (comma-separated)")  # fmt: skip
+    f.add_argument(
+        "--strategies",
+        default="fused,serial,concurrent,vmap",
+        help="fused, serial, concurrent, vmap (comma-separated)",
+    )
     f.add_argument("--steps", type=int, default=5, help="timed steps per round")
     f.add_argument("--rounds", type=int, default=9, help="interleaved rounds per strategy")
     f.add_argument("--warmup", type=int, default=3, help="untimed steps before the rounds")
-    f.add_argument("--threads", type=_ints, default=(1,),
-                   help="intra-op thread counts of every process, e.g. 1,2: every strategy "
-                        "runs at each")  # fmt: skip
+    f.add_argument(
+        "--threads",
+        type=_ints,
+        default=(1,),
+        help="intra-op thread counts of every process, e.g. 1,2: every strategy runs at each",
+    )
     f.add_argument("--batch-size", type=int, default=None, help="per-model batch size")
     f.add_argument("--device", default="cpu", help="cpu or cuda")
     f.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
-    f.add_argument("--default-malloc", action="store_true",
-                   help="keep glibc's malloc thresholds (default: raised)")  # fmt: skip
-    f.add_argument("--stock-adam", default="fused", choices=["fused", "foreach", "for-loop"],
-                   help="torch.optim.Adam implementation of the serial, concurrent and vmap "
-                        "strategies (default: fused, the kernel FusedAdam runs too)")  # fmt: skip
-    f.add_argument("--no-native", action="store_true",
-                   help="fused arrays on torch's kernels only, without plait's native CPU "
-                        "kernels (plait.fused.native)")  # fmt: skip
+    f.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's malloc thresholds (default: raised)",
+    )
+    f.add_argument(
+        "--stock-adam",
+        default="fused",
+        choices=["fused", "foreach", "for-loop"],
+        help="torch.optim.Adam implementation of the serial, concurrent and vmap "
+        "strategies (default: fused, the kernel FusedAdam runs too)",
+    )
+    f.add_argument(
+        "--no-native",
+        action="store_true",
+        help="fused arrays on torch's kernels only, without plait's native CPU "
+        "kernels (plait.fused.native)",
+    )
 
 
 def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkSpec:
@@ -551,8 +590,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg_path = scratch_dir("plait-train-") / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
     with Cluster.create(nodes=args.nodes, network=_network(args)) as cluster:
-        print(f"plait train: {cfg.workload} / {cfg.strategy_spec()} on {args.nodes} node(s) x "
-              f"{args.nproc_per_node} ({cluster.network.describe()})", flush=True)  # fmt: skip
+        print(
+            f"plait train: {cfg.workload} / {cfg.strategy_spec()} on {args.nodes} node(s) x "
+            f"{args.nproc_per_node} ({cluster.network.describe()})",
+            flush=True,
+        )
         result = launch(
             cluster,
             ["plait.train", "--config-json", str(cfg_path)],
@@ -617,8 +659,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     nodes = max(2, args.nodes)
     out = scratch_dir("plait-probe-") / "probe.json"
     with Cluster.create(nodes=nodes, network=_network(args)) as cluster:
-        print(f"probing all-reduce on {nodes} node(s) x {args.nproc_per_node}, "
-              f"{cluster.network.describe()} ...", flush=True)  # fmt: skip
+        print(
+            f"probing all-reduce on {nodes} node(s) x {args.nproc_per_node}, "
+            f"{cluster.network.describe()} ...",
+            flush=True,
+        )
         result = launch(
             cluster,
             ["plait.comm.probe", str(out)],
@@ -734,13 +779,21 @@ def cmd_crossover(args: argparse.Namespace) -> int:
         for bandwidth, net in zip(bandwidths, nets, strict=True):
             cluster.shape(net)
             trace = _trace_path(args.trace, bandwidth if len(nets) > 1 else None)
-            print(f"plait crossover: {len(args.jobs)} jobs on {args.nodes} node(s), "
-                  f"{net.describe()}", flush=True)  # fmt: skip
+            print(
+                f"plait crossover: {len(args.jobs)} jobs on {args.nodes} node(s), {net.describe()}",
+                flush=True,
+            )
             if not args.compare:
                 runs = run_colocated(
-                    cluster, args.jobs, mode=Mode(args.mode), steps=args.steps, group=args.group,
-                    nproc_per_node=args.nproc_per_node, threads=args.threads, trace=trace,
-                )  # fmt: skip
+                    cluster,
+                    args.jobs,
+                    mode=Mode(args.mode),
+                    steps=args.steps,
+                    group=args.group,
+                    nproc_per_node=args.nproc_per_node,
+                    threads=args.threads,
+                    trace=trace,
+                )
                 total = 0.0
                 for r in runs:
                     if not r.ok:
@@ -749,15 +802,23 @@ def cmd_crossover(args: argparse.Namespace) -> int:
                     t = r.step_end_unix
                     rate = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else 0.0
                     total += rate * r.samples_per_step
-                    print(f"  {r.job}: {rate:.2f} steps/s, {rate * r.samples_per_step:.1f} "
-                          f"samples/s, token {r.token}")  # fmt: skip
+                    print(
+                        f"  {r.job}: {rate:.2f} steps/s, {rate * r.samples_per_step:.1f} "
+                        f"samples/s, token {r.token}"
+                    )
                 print(f"  aggregate: {total:.1f} samples/s")
                 continue
             comp = compare(
-                cluster, args.jobs, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                cluster,
+                args.jobs,
+                steps=args.steps,
+                warmup=args.warmup,
+                repeats=args.repeats,
                 group=args.group,
-                nproc_per_node=args.nproc_per_node, threads=args.threads, trace=trace,
-            )  # fmt: skip
+                nproc_per_node=args.nproc_per_node,
+                threads=args.threads,
+                trace=trace,
+            )
             records.append(comp.to_dict())
             print(markdown(records[-1:]), flush=True)
             if args.out:
@@ -861,10 +922,16 @@ def cmd_bench_fused(args: argparse.Namespace) -> int:
         models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
         sizes=args.n,
         strategies=tuple(ArrayStrategy(s.strip()) for s in args.strategies.split(",") if s.strip()),
-        steps=args.steps, rounds=args.rounds, warmup=args.warmup, threads=args.threads,
-        batch_size=args.batch_size, device=args.device, tune_malloc=not args.default_malloc,
-        stock_adam=StockAdam(args.stock_adam), native_kernels=not args.no_native,
-    )  # fmt: skip
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        threads=args.threads,
+        batch_size=args.batch_size,
+        device=args.device,
+        tune_malloc=not args.default_malloc,
+        stock_adam=StockAdam(args.stock_adam),
+        native_kernels=not args.no_native,
+    )
     records = run_bench_fused(cfg)
     print(markdown_table(records))
     if args.out:
@@ -918,9 +985,15 @@ def _probe_network(args: argparse.Namespace) -> Any:
     out = scratch_dir("plait-probe-") / "probe.json"
     net = NetworkSpec(bandwidth=args.bandwidth)
     with Cluster.create(nodes=max(2, args.nodes), network=net) as cluster:
-        result = launch(cluster, ["plait.comm.probe", str(out), "--collectives"], module=True,
-                        nproc_per_node=args.nproc_per_node, threads=args.threads,
-                        timeout_s=600, quiet=True)  # fmt: skip
+        result = launch(
+            cluster,
+            ["plait.comm.probe", str(out), "--collectives"],
+            module=True,
+            nproc_per_node=args.nproc_per_node,
+            threads=args.threads,
+            timeout_s=600,
+            quiet=True,
+        )
     if not result.ok or not out.exists():
         raise ValueError(f"network probe failed:\n{result.tail()}")
     return CollectiveCosts.from_dict(json.loads(out.read_text())["collectives"])
@@ -942,15 +1015,23 @@ def _int_at_least(flag: str, value: int | None, minimum: int, maximum: int | Non
     if value is None:
         return
     if value < minimum or (maximum is not None and value > maximum):
-        accepted = f"an integer >= {minimum}" if maximum is None else (
-            f"an integer from {minimum} to {maximum}")  # fmt: skip
+        accepted = (
+            f"an integer >= {minimum}"
+            if maximum is None
+            else (f"an integer from {minimum} to {maximum}")
+        )
         raise ValueError(f"{flag} {value}: expected {accepted}")
 
 
 def _number(
-    flag: str, value: float | None, *, low: float, high: float | None = None,
-    low_open: bool = False, high_open: bool = False,
-) -> None:  # fmt: skip
+    flag: str,
+    value: float | None,
+    *,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     """ValueError naming `flag` unless `value` (when given) is finite and in range."""
     if value is None:
         return

@@ -33,8 +33,9 @@ def run_demo(*, nodes: int = 4, out: Path = Path("runs/demo"), quick: bool = Fal
         what = "network namespaces" if cluster.emulated else "loopback processes (unshaped)"
         print(f"[1/3] cluster {cluster.cid}: {nodes} {what}, links at {cluster.network.describe()}")
         probe_out = out / "probe.json"
-        res = launch(cluster, ["plait.comm.probe", str(probe_out)], module=True,
-                     timeout_s=600, quiet=True)  # fmt: skip
+        res = launch(
+            cluster, ["plait.comm.probe", str(probe_out)], module=True, timeout_s=600, quiet=True
+        )
         if res.ok:
             from plait.cli import format_probe
 
@@ -45,10 +46,22 @@ def run_demo(*, nodes: int = 4, out: Path = Path("runs/demo"), quick: bool = Fal
         train_out = out / "train.json"
         res = launch(
             cluster,
-            ["plait.train", "--workload", "mlp", "--epochs", str(epochs), "--strategy", "ssgd",
-             "--checkpoint", str(out / "checkpoints"), "--out", str(train_out)],
-            module=True, timeout_s=1800,
-        )  # fmt: skip
+            [
+                "plait.train",
+                "--workload",
+                "mlp",
+                "--epochs",
+                str(epochs),
+                "--strategy",
+                "ssgd",
+                "--checkpoint",
+                str(out / "checkpoints"),
+                "--out",
+                str(train_out),
+            ],
+            module=True,
+            timeout_s=1800,
+        )
         if not res.ok:
             print(res.tail(), file=sys.stderr)
             return 1

@@ -116,8 +116,10 @@ def git_commit() -> str:
         )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except OSError:
         return "unknown"
     commit = out.stdout.strip() or "unknown"

@@ -276,11 +276,13 @@ def run_faulty(
         with contextlib.suppress(queue.Empty):
             rank, ok, payload, elapsed = results.get(timeout=wait_s)
             if ok:
-                reported[rank] = Outcome(rank, "returned", value=pickle.loads(payload),
-                                         elapsed_s=elapsed)  # fmt: skip
+                reported[rank] = Outcome(
+                    rank, "returned", value=pickle.loads(payload), elapsed_s=elapsed
+                )
             else:
-                reported[rank] = Outcome(rank, "raised", error=payload[0], message=payload[1],
-                                         elapsed_s=elapsed)  # fmt: skip
+                reported[rank] = Outcome(
+                    rank, "raised", error=payload[0], message=payload[1], elapsed_s=elapsed
+                )
 
     try:
         while time.monotonic() < deadline:
@@ -308,8 +310,9 @@ def run_faulty(
     for r, p in enumerate(procs):
         if r in reported:
             o = reported[r]
-            out.append(Outcome(o.rank, o.status, o.value, o.error, o.message, p.exitcode,
-                               o.elapsed_s))  # fmt: skip
+            out.append(
+                Outcome(o.rank, o.status, o.value, o.error, o.message, p.exitcode, o.elapsed_s)
+            )
         else:
             out.append(Outcome(r, "hung" if r in hung else "died", exitcode=p.exitcode))
     return out

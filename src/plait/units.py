@@ -158,8 +158,13 @@ def parse_size(text: str | int, *, allow_zero: bool = False, what: str = "size")
 
 def format_size(n: float) -> str:
     """``n`` bytes in the largest binary unit that keeps it >= 1 (``1.50 GiB``)."""
-    for unit, size in (("EiB", 2**60), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
-                       ("KiB", 2**10)):  # fmt: skip
+    for unit, size in (
+        ("EiB", 2**60),
+        ("TiB", 2**40),
+        ("GiB", 2**30),
+        ("MiB", 2**20),
+        ("KiB", 2**10),
+    ):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"

@@ -9,9 +9,14 @@ from plait.bench.scorecard import markdown, score
 
 def test_scorecard_compares_the_choice_with_the_fastest_fitting_plan() -> None:
     def rec(spec: str, desc: str, times: list[float], bw: str = "slow") -> dict[str, object]:
-        return {"workload": "gpt", "bandwidth": bw, "strategy_spec": spec,
-                "strategy_desc": desc, "iter_time_s": sorted(times)[len(times) // 2],
-                "iter_times_s": times}  # fmt: skip
+        return {
+            "workload": "gpt",
+            "bandwidth": bw,
+            "strategy_spec": spec,
+            "strategy_desc": desc,
+            "iter_time_s": sorted(times)[len(times) // 2],
+            "iter_times_s": times,
+        }
 
     pp4 = "plan:dp=1,pp=4,microbatches=8"
     records = [
@@ -27,8 +32,11 @@ def test_scorecard_compares_the_choice_with_the_fastest_fitting_plan() -> None:
         # not the fastest: its pooled median decides
         rec("plan:auto=true,memory=100MiB", "plan:dp=2,pp=2,microbatches=4", [2.2], bw="slow"),
     ]
-    peaks = {"dp=4": 200 * 2**20, "dp=1,pp=4,microbatches=8": 80 * 2**20,
-             "dp=2,pp=2,microbatches=4": 90 * 2**20}  # fmt: skip
+    peaks = {
+        "dp=4": 200 * 2**20,
+        "dp=1,pp=4,microbatches=8": 80 * 2**20,
+        "dp=2,pp=2,microbatches=4": 90 * 2**20,
+    }
     free, tight, other, noisy = score(records, peaks)
     assert (free["fastest_fitting"], free["within_tolerance"]) == ("dp=4", False)
     assert (tight["fastest_fitting"], tight["within_tolerance"]) == (pp4[5:], True)

@@ -19,8 +19,18 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_tp_zero.py"
 
 def test_example_trains_under_torchrun() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(EXAMPLE), "--steps", "3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(EXAMPLE),
+        "--steps",
+        "3",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [

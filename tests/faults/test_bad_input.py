@@ -160,7 +160,7 @@ BAD = [
     (["sweep", "--trials", "0"], ["--trials 0"]),
     (["sweep", "--epochs", "0"], ["--epochs 0"]),
     (["sweep", "--threads", "0"], ["--threads 0"]),
-    (["sweep", "--lr", "1,0.1"], ["--lr 1.0,0.1", "0 < LO <= HI"]),
+    (["sweep", "--lr", "1,0.1"], ["--lr", "1.0,0.1", "0 < LO <= HI"]),
     (["sweep", "--lr", "a,b"], ["'a,b'", "numbers"]),
     (["sweep", "--batch-sizes", "0"], ["--batch-sizes 0"]),
     (["sweep", "--device", "tpu"], ["'tpu'", "cpu, cuda"]),
@@ -183,9 +183,12 @@ BAD = [
 
 @pytest.mark.parametrize(("argv", "needles"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_refused_before_anything_is_built(
-    argv: list[str], needles: list[str], nothing_built: Path, tmp_path: Path,
+    argv: list[str],
+    needles: list[str],
+    nothing_built: Path,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     file = tmp_path / "a-file"
     file.write_text("x")
     job = tmp_path / JSON_JOB_UNKNOWN_KEY
@@ -199,8 +202,10 @@ def test_bad_input_is_refused_before_anything_is_built(
 
 
 def test_debug_shows_the_traceback(nothing_built: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--debug", "train", "--strategy", "acpsgd:rnak=4"],
-                 ["train", "--strategy", "acpsgd:rnak=4", "--debug"]):  # fmt: skip
+    for argv in (
+        ["--debug", "train", "--strategy", "acpsgd:rnak=4"],
+        ["train", "--strategy", "acpsgd:rnak=4", "--debug"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         err = capsys.readouterr().err
@@ -259,9 +264,16 @@ def test_validate_spec_is_strict(spec: str, needles: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["ssgd", "acpsgd:rank=4,warmup=10", "topk:ratio=0.05", "spd-kfac:compression=acpsgd,rank=2",
-     "ssgd:bucket_cap_mb=10,final_bucket_mb=1", "plan:dp=2,tp=2", "plan:auto=true,memory=2GiB"],
-)  # fmt: skip
+    [
+        "ssgd",
+        "acpsgd:rank=4,warmup=10",
+        "topk:ratio=0.05",
+        "spd-kfac:compression=acpsgd,rank=2",
+        "ssgd:bucket_cap_mb=10,final_bucket_mb=1",
+        "plan:dp=2,tp=2",
+        "plan:auto=true,memory=2GiB",
+    ],
+)
 def test_validate_spec_accepts_good_specs(spec: str) -> None:
     validate_spec(spec)
 
@@ -271,10 +283,25 @@ def test_the_command_line_prints_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("RANK", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "plait.cli", "train", "--workload", "mlp", "--strategy",
-         "acpsgd:rnak=4", "--nodes", "2"],
-        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "plait.cli",
+            "train",
+            "--workload",
+            "mlp",
+            "--strategy",
+            "acpsgd:rnak=4",
+            "--nodes",
+            "2",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "plait train: error: unknown option 'rnak' for strategy 'acpsgd' (accepted: "

@@ -122,8 +122,10 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root")
     res = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-        capture_output=True, check=False, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        check=False,
+        timeout=30,
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
     try:

@@ -37,8 +37,9 @@ def _fault(rank: int, world: int, step: int, mode: str) -> None:
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4))  # fmt: skip
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +84,9 @@ def _plan(rank: int, world: int, plan: str, mode: str) -> int:
     import plait
     from tests.parallel.common import BATCH, batches, gpt, loss_fn
 
-    model, opt = plait.parallelize(gpt(), torch.optim.AdamW(gpt().parameters()), plan,
-                                   loss_fn=loss_fn)  # fmt: skip
+    model, opt = plait.parallelize(
+        gpt(), torch.optim.AdamW(gpt().parameters()), plan, loss_fn=loss_fn
+    )
     xs, ys = batches(STEPS)
     dp = world if "dp=" in plan else 1
     shard = slice(rank * BATCH // dp, (rank + 1) * BATCH // dp) if dp > 1 else slice(None)

@@ -47,8 +47,11 @@ def planted_library(tmp_path: Path) -> tuple[Path, Path]:
     src.write_text(PLANTED)
     cc = build.compiler()
     assert cc is not None
-    subprocess.run([cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', str(src), "-o", str(lib)],
-                   check=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [cc, "-shared", "-fPIC", f'-DMARKER="{marker}"', str(src), "-o", str(lib)],
+        check=True,
+        timeout=60,
+    )
     return lib, marker
 
 

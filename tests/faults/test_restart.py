@@ -56,9 +56,12 @@ def test_four_nodes_restart_together_and_resume(tmp_path: Path) -> None:
     steps = 8
     with Cluster.create(nodes=4, quiet=True) as cluster:
         res = launch(
-            cluster, [str(script), str(tmp_path), str(steps)],
-            max_restarts=2, timeout_s=90, quiet=True,
-        )  # fmt: skip
+            cluster,
+            [str(script), str(tmp_path), str(steps)],
+            max_restarts=2,
+            timeout_s=90,
+            quiet=True,
+        )
     assert res.ok, res.tail()
     assert (tmp_path / "killed").exists()
     assert all((tmp_path / f"done.{r}").read_text() == str(steps) for r in range(4))

@@ -29,10 +29,18 @@ def _config(spec: str, plan: str | None, ckpt: Path | None) -> Any:
     from plait.train.loop import TrainConfig
 
     return TrainConfig(
-        workload="mlp", strategy=spec, plan=plan, data="synthetic", synthetic_samples=512,
-        steps=STEPS, batch_size=8, seed=3, checkpoint=None if ckpt is None else str(ckpt),
-        checkpoint_every=EVERY, progress=False,
-    )  # fmt: skip
+        workload="mlp",
+        strategy=spec,
+        plan=plan,
+        data="synthetic",
+        synthetic_samples=512,
+        steps=STEPS,
+        batch_size=8,
+        seed=3,
+        checkpoint=None if ckpt is None else str(ckpt),
+        checkpoint_every=EVERY,
+        progress=False,
+    )
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -84,17 +92,25 @@ def _reference_then_killed(
 
 def _resumed(rank: int, world: int, spec: str, plan: str | None, tmp: str) -> dict[str, Any]:
     trainer = _train(spec, plan, Path(tmp) / "ckpt")
-    return {"params": _params(trainer), "resumed_from": trainer.resumed_from,
-            "strategy": trainer.strategy.state_dict()}  # fmt: skip
+    return {
+        "params": _params(trainer),
+        "resumed_from": trainer.resumed_from,
+        "strategy": trainer.strategy.state_dict(),
+    }
 
 
 def _kill_and_resume(tmp_path: Path, spec: str, plan: str | None = None) -> dict[str, Any]:
     die_at = 2 * EVERY + 1  # after the checkpoint at step 8, before the next one
     with pytest.raises(WorkerError, match=r"died|raised"):
         run_distributed(
-            _reference_then_killed, spec, plan, str(tmp_path), die_at, world_size=2,
+            _reference_then_killed,
+            spec,
+            plan,
+            str(tmp_path),
+            die_at,
+            world_size=2,
             timeout_s=20,
-        )  # fmt: skip
+        )
     assert (tmp_path / "ckpt" / f"step_{2 * EVERY:08d}" / "MANIFEST.json").is_file()
     # whatever the survivor did after its peer died, no later checkpoint counts as complete
     assert not (tmp_path / "ckpt" / f"step_{STEPS:08d}" / "MANIFEST.json").exists()

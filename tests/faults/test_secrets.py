@@ -51,8 +51,15 @@ def test_sweep_records_and_reports_hold_no_password(
     secret = "hunter22"
     storage = f"sqlite:///{tmp_path / 'db'}?password={secret}"
     monkeypatch.setattr(sys, "argv", ["plait", "sweep", "--storage", storage])
-    cfg = SweepConfig(trials=2, epochs=1, storage=storage, study="s", max_models=2,
-                      pruner=PrunerKind.NONE, progress=False)  # fmt: skip
+    cfg = SweepConfig(
+        trials=2,
+        epochs=1,
+        storage=storage,
+        study="s",
+        max_models=2,
+        pruner=PrunerKind.NONE,
+        progress=False,
+    )
     task = digits_task("digits-mlp", SearchSpace(widths=(16,)))
     with caplog.at_level(logging.DEBUG):
         result = run_sweep(task, cfg)

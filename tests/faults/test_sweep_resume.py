@@ -56,9 +56,17 @@ CHILD = textwrap.dedent(
 
 
 def config(storage: str) -> SweepConfig:
-    return SweepConfig(trials=TRIALS, epochs=EPOCHS, storage=storage, study="s",
-                       max_models=ARRAY, memory_budget=1 << 40, pruner=PrunerKind.NONE,
-                       sampler="random", progress=False)  # type: ignore[arg-type]  # fmt: skip
+    return SweepConfig(
+        trials=TRIALS,
+        epochs=EPOCHS,
+        storage=storage,
+        study="s",
+        max_models=ARRAY,
+        memory_budget=1 << 40,
+        pruner=PrunerKind.NONE,
+        sampler="random",
+        progress=False,
+    )  # type: ignore[arg-type]
 
 
 def kill_mid_array(tmp_path: Path, storage: str) -> None:

@@ -49,8 +49,10 @@ def _start_job(tmp: Path, nodes: int = 2) -> tuple[subprocess.Popen[bytes], list
     script.write_text(SLEEPER)
     proc = subprocess.Popen(
         _plait("run", "--nodes", str(nodes), "--", str(script), str(tmp)),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     end = time.monotonic() + 90
     ready = [tmp / f"ready.{r}" for r in range(nodes)]
     while not all(p.exists() for p in ready):
@@ -135,8 +137,10 @@ def test_after_kill_9_the_dead_cluster_goes_and_a_live_one_stays(tmp_path: Path,
                 (tmp_path / "noop.py").write_text("pass\n")
                 done = subprocess.run(
                     _plait("run", "--nodes", "1", "--", str(tmp_path / "noop.py")),
-                    check=False, capture_output=True, timeout=120,
-                )  # fmt: skip
+                    check=False,
+                    capture_output=True,
+                    timeout=120,
+                )
             assert done.returncode == 0, done.stderr.decode()[-2000:]
             assert _cluster_left(cid) == []
             assert live.netns(0) in _namespaces()

@@ -15,9 +15,19 @@ def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=heads, n_embd=width, vocab_size=VOCAB, n_positions=SEQ,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
-                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = GPT2Config(
+        n_layer=2,
+        n_head=heads,
+        n_embd=width,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -26,10 +36,15 @@ def llama(*, heads: int = 4, width: int = 32) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=heads,
-                      num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,
-                      hidden_size=width, intermediate_size=2 * width, vocab_size=VOCAB,
-                      max_position_embeddings=SEQ)  # fmt: skip
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -38,10 +53,17 @@ def bert() -> Any:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
-                     intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     tie_word_embeddings=False)  # fmt: skip
+    cfg = BertConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        tie_word_embeddings=False,
+    )
     return BertForMaskedLM(cfg)
 
 
@@ -57,8 +79,15 @@ def llama_workload() -> Any:
     def real() -> DataSplit:
         x = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(0))
         info = DataInfo(input_shape=(SEQ,), num_classes=VOCAB, block_size=SEQ, input_vocab=VOCAB)
-        return DataSplit(train=TensorDataset(x, torch.roll(x, -1, 1)), test=None, info=info,
-                         name="random tokens")  # fmt: skip
+        return DataSplit(
+            train=TensorDataset(x, torch.roll(x, -1, 1)), test=None, info=info, name="random tokens"
+        )
 
-    return Workload(name="tiny-llama", build=lambda info, **_: llama(), real=real,
-                    task=Task.LANGUAGE_MODEL, bench_batch=8, optimizer="adamw")  # fmt: skip
+    return Workload(
+        name="tiny-llama",
+        build=lambda info, **_: llama(),
+        real=real,
+        task=Task.LANGUAGE_MODEL,
+        bench_batch=8,
+        optimizer="adamw",
+    )

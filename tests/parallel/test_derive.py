@@ -81,8 +81,9 @@ def test_pipeline_units_chain_to_the_model(name: str) -> None:
     x = torch.randint(0, VOCAB, (2, SEQ))
     adapter = adapter_for(model)
     adapter.prepare(model)
-    stages = [StageModule(s) for s in split_units(adapter.pipeline_units(model),
-                                                  adapter.blocks(model), 2)]  # fmt: skip
+    stages = [
+        StageModule(s) for s in split_units(adapter.pipeline_units(model), adapter.blocks(model), 2)
+    ]
     with torch.no_grad():
         torch.testing.assert_close(stages[1](stages[0](x)), model(x).logits, rtol=0, atol=1e-6)
     assert set().union(*(s.state_dict().keys() for s in stages)) == set(model.state_dict())

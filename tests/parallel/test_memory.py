@@ -44,8 +44,9 @@ def test_zero3_divides_model_state(acts: ActivationProfile) -> None:
     model = gpt()
     dims = adapter_for(model).dims(model)
     plain = estimate_memory(Plan(dp=4), dims=dims, acts=acts, global_batch=GLOBAL_BATCH)
-    zero3 = estimate_memory(Plan(dp=4, zero=ZeroStage.PARAMETERS), dims=dims, acts=acts,
-                            global_batch=GLOBAL_BATCH)  # fmt: skip
+    zero3 = estimate_memory(
+        Plan(dp=4, zero=ZeroStage.PARAMETERS), dims=dims, acts=acts, global_batch=GLOBAL_BATCH
+    )
     assert zero3.model_state == pytest.approx(plain.model_state / 4)
 
 

@@ -128,9 +128,22 @@ class Job:
             return ["plait.train", "--config-json", str(path)], True
         assert self.workload is not None and self.strategy is not None
         wl = get_workload(self.workload)
-        argv = ["plait.train", "--workload", self.workload, "--strategy", self.strategy,
-                "--data", "synthetic", "--steps", str(steps), "--batch-size",
-                str(wl.bench_batch), "--out", str(out), "--no-progress"]  # fmt: skip
+        argv = [
+            "plait.train",
+            "--workload",
+            self.workload,
+            "--strategy",
+            self.strategy,
+            "--data",
+            "synthetic",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(wl.bench_batch),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
         if group:
             argv += ["--crossover", group]
         if trace is not None:
@@ -186,10 +199,17 @@ def _run_jobs(
         )
         env = {"PLAIT_CROSSOVER_GROUP": gate} if gate else {}
         results[i] = launch(
-            cluster, argv, module=module, nproc_per_node=nproc_per_node, threads=threads,
-            timeout_s=timeout_s, env=env, quiet=True, log_dir=work / f"logs-{mode}-{i}",
+            cluster,
+            argv,
+            module=module,
+            nproc_per_node=nproc_per_node,
+            threads=threads,
+            timeout_s=timeout_s,
+            env=env,
+            quiet=True,
+            log_dir=work / f"logs-{mode}-{i}",
             stop=stop,
-        )  # fmt: skip
+        )
 
     # daemon threads: a launch that does not stop in time never keeps the process alive
     threads_ = [
@@ -312,10 +332,20 @@ def compare(
     """
     with _work_dir() as (work, _):
         return _compare(
-            cluster, specs, work=work, steps=steps, warmup=warmup, repeats=repeats, group=group,
-            nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s, modes=modes,
-            trace=trace, progress=progress,
-        )  # fmt: skip
+            cluster,
+            specs,
+            work=work,
+            steps=steps,
+            warmup=warmup,
+            repeats=repeats,
+            group=group,
+            nproc_per_node=nproc_per_node,
+            threads=threads,
+            timeout_s=timeout_s,
+            modes=modes,
+            trace=trace,
+            progress=progress,
+        )
 
 
 def _compare(
@@ -355,9 +385,17 @@ def _compare(
         """The runs, and the host's CPU busy fraction inside their common window."""
         with CpuSampler() as cpu:
             runs = _run_jobs(
-                cluster, batch, mode=mode, steps=n, group=gate, trace=tr, work=work,
-                nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s,
-            )  # fmt: skip
+                cluster,
+                batch,
+                mode=mode,
+                steps=n,
+                group=gate,
+                trace=tr,
+                work=work,
+                nproc_per_node=nproc_per_node,
+                threads=threads,
+                timeout_s=timeout_s,
+            )
         for r in runs:
             _check(r)
         return runs, cpu.busy(*common_window(runs, warmup=warmup))
@@ -494,9 +532,18 @@ def run_colocated(
     """Launch the jobs together on `cluster` and return each job's run."""
     jobs = [Job.parse(s, i) for i, s in enumerate(specs)]
     with _work_dir(keep_on_failure=True) as (work, failed):
-        runs = _run_jobs(cluster, jobs, mode=mode, steps=steps, group=group or f"xo-{cluster.cid}",
-                         nproc_per_node=nproc_per_node, threads=threads, timeout_s=timeout_s,
-                         work=work, trace=trace)  # fmt: skip
+        runs = _run_jobs(
+            cluster,
+            jobs,
+            mode=mode,
+            steps=steps,
+            group=group or f"xo-{cluster.cid}",
+            nproc_per_node=nproc_per_node,
+            threads=threads,
+            timeout_s=timeout_s,
+            work=work,
+            trace=trace,
+        )
         if not all(r.ok for r in runs):
             failed.set()
     return runs

@@ -58,9 +58,16 @@ def steps_to(curve: list[dict[str, Any]], target: float) -> int | None:
 def run_one(
     run: Run, *, workload: str, steps: int, eval_every: int, batch_size: int | None
 ) -> list[dict[str, Any]]:
-    cfg = TrainConfig(workload=workload, strategy=run.strategy, steps=steps, lr=run.lr,
-                      seed=run.seed, eval_every=eval_every, batch_size=batch_size,
-                      progress=False)  # fmt: skip
+    cfg = TrainConfig(
+        workload=workload,
+        strategy=run.strategy,
+        steps=steps,
+        lr=run.lr,
+        seed=run.seed,
+        eval_every=eval_every,
+        batch_size=batch_size,
+        progress=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "modules left unpreconditioned", once per run
         trainer = Trainer(cfg)
@@ -81,8 +88,7 @@ def summarise(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
     for (strategy, lr), hits in by_setting.items():
         reached = [h for h in hits if h is not None]
         median = statistics.median(reached) if len(reached) == len(hits) else None
-        settings.append({"strategy": strategy, "lr": lr, "steps_to_target": hits,
-                         "median": median})  # fmt: skip
+        settings.append({"strategy": strategy, "lr": lr, "steps_to_target": hits, "median": median})
     best: dict[str, dict[str, Any]] = {}
     for s in settings:
         fam = str(s["strategy"]).partition(":")[0]
@@ -119,14 +125,18 @@ def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for fam, best in summary["best"].items():
-        curves = [r["curve"] for r in records
-                  if r["strategy"] == best["strategy"] and r["lr"] == best["lr"]]  # fmt: skip
+        curves = [
+            r["curve"]
+            for r in records
+            if r["strategy"] == best["strategy"] and r["lr"] == best["lr"]
+        ]
         steps = [p["step"] for p in curves[0]]
         acc = torch.tensor([[p["test_accuracy"] for p in c] for c in curves])
         mean = acc.mean(0)
         (line,) = ax.plot(steps, mean, label=f"{fam} (lr {best['lr']:g}), mean of {len(curves)}")
-        ax.fill_between(steps, acc.min(0).values, acc.max(0).values, alpha=0.2,
-                        color=line.get_color())  # fmt: skip
+        ax.fill_between(
+            steps, acc.min(0).values, acc.max(0).values, alpha=0.2, color=line.get_color()
+        )
         ax.axvline(best["median"], color=line.get_color(), linestyle=":", linewidth=1)
     ax.axhline(summary["target"], color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("iteration")
@@ -153,13 +163,17 @@ def _init_single_process_group() -> None:
         return
     from plait.cluster.launch import free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m plait.bench.convergence", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m plait.bench.convergence",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workload", default="mlp")
     p.add_argument("--run", action="append", required=True, help="STRATEGY@LR[,LR...]")
     p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
@@ -180,11 +194,23 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
 
         for run in tqdm(runs, desc="convergence", unit="run", file=sys.stdout):
-            curve = run_one(run, workload=args.workload, steps=args.steps,
-                            eval_every=args.eval_every, batch_size=batch)  # fmt: skip
+            curve = run_one(
+                run,
+                workload=args.workload,
+                steps=args.steps,
+                eval_every=args.eval_every,
+                batch_size=batch,
+            )
             hit = steps_to(curve, args.target)
-            records.append({"strategy": run.strategy, "lr": run.lr, "seed": run.seed,
-                            "steps_to_target": hit, "curve": curve})  # fmt: skip
+            records.append(
+                {
+                    "strategy": run.strategy,
+                    "lr": run.lr,
+                    "seed": run.seed,
+                    "steps_to_target": hit,
+                    "curve": curve,
+                }
+            )
     finally:
         dist.destroy_process_group()
     summary = summarise(records, args.target)

@@ -147,9 +147,13 @@ def plot_interleaving(trace: Path, path: Path, *, seconds: float = 8.0) -> Path:
             if style is None or int(e["pid"]) // 1000 != k:
                 continue
             label, color, height = style
-            ax.broken_barh([((e["ts"] - lo) / 1e6, e["dur"] / 1e6)],
-                           (row - height / 2, height), color=color, zorder=3 if height < 0.5 else 2,
-                           label=None if label in seen else label)  # fmt: skip
+            ax.broken_barh(
+                [((e["ts"] - lo) / 1e6, e["dur"] / 1e6)],
+                (row - height / 2, height),
+                color=color,
+                zorder=3 if height < 0.5 else 2,
+                label=None if label in seen else label,
+            )
             seen.add(label)
     ax.set_yticks(range(len(jobs)), [names.get(k, f"job{k}") for k in jobs])
     ax.set_xlim(0, seconds)

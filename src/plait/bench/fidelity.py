@@ -58,9 +58,20 @@ def run_fidelity(
             n_epochs = epochs or get_workload(w).epochs
             for i, s in enumerate(strategies):
                 out = work / f"{w}-{i}.json"
-                argv = ["plait.train", "--workload", w, "--strategy", s, "--epochs",
-                        str(n_epochs), "--seed", str(seed), "--out", str(out),
-                        "--no-progress"]  # fmt: skip
+                argv = [
+                    "plait.train",
+                    "--workload",
+                    w,
+                    "--strategy",
+                    s,
+                    "--epochs",
+                    str(n_epochs),
+                    "--seed",
+                    str(seed),
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                ]
                 logger.info("fidelity: %s / %s, %d epoch(s) on %d node(s)", w, s, n_epochs, nodes)
                 res = launch(cluster, argv, module=True, timeout_s=timeout_s, quiet=True)
                 if not res.ok or not out.exists():
@@ -105,8 +116,11 @@ def markdown(records: Sequence[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m plait.bench.fidelity", description=__doc__)
     p.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
-    p.add_argument("--strategies", default="ssgd,acpsgd:rank=4",
-                   help="strategy specs separated by ';' (or by ',' between names)")  # fmt: skip
+    p.add_argument(
+        "--strategies",
+        default="ssgd,acpsgd:rank=4",
+        help="strategy specs separated by ';' (or by ',' between names)",
+    )
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--epochs", type=int, default=None, help="default: each workload's own")
     p.add_argument("--bandwidth", default="fast", help="link rate (speed plays no part here)")

@@ -177,16 +177,18 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
     for s in spec.strategies:
         seed_everything(spec.seed)
         strategy = make_strategy(s)
-        strategy.bind_data((x_all[:batch].to(device), y_all[:batch].to(device)),
-                           global_batch=batch * world)  # fmt: skip
+        strategy.bind_data(
+            (x_all[:batch].to(device), y_all[:batch].to(device)), global_batch=batch * world
+        )
         model = strategy.wrap(wl.model(data.info, bench=True).to(device))
         opt = strategy.build_optimizer(
             model, lambda params: torch.optim.SGD(params, lr=spec.lr, momentum=0.9)
         )
         strategy.attach_optimizer(opt)
         local = batch * world // strategy.data_parallel_size()
-        runners.append(_Runner(spec=s, strategy=strategy, model=model, optimizer=opt,
-                               local_batch=local))  # fmt: skip
+        runners.append(
+            _Runner(spec=s, strategy=strategy, model=model, optimizer=opt, local_batch=local)
+        )
 
     def measure(turn: Turn[tuple[int, StepKind]]) -> StepSample:
         index, phase = turn.contestant

@@ -141,8 +141,10 @@ def markdown(records: list[dict[str, Any]], *, workload: str) -> str:
         a, b = sum(r[old] for r in records), sum(r[new] for r in records)
         out.append(f"| {title}, all layers | {a:.3f} | {b:.3f} | {a / b:.2f}x |\n")
     out.append("\nPer layer (seconds; rows x A dim, G dim):\n\n")
-    out.append("| layer | factor shape | X^T X + pack | tiled | chol + inverse | chol | "
-               "inverse products | solves |\n|---|---|---|---|---|---|---|---|\n")  # fmt: skip
+    out.append(
+        "| layer | factor shape | X^T X + pack | tiled | chol + inverse | chol | "
+        "inverse products | solves |\n|---|---|---|---|---|---|---|---|\n"
+    )
     for r in records:
         out.append(
             f"| {r['layer']} | {r['rows']} x {r['a_dim']}, {r['g_dim']}"
@@ -154,8 +156,9 @@ def markdown(records: list[dict[str, Any]], *, workload: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.bench.kfac_kernels",
-                                     description=__doc__.splitlines()[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m plait.bench.kfac_kernels", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--workload", default="resnet18")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)

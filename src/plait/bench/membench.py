@@ -98,9 +98,12 @@ def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[di
             }
         )
         if pdist.is_main():
-            print(f"{resolved.describe()}: peak {format_bytes(max(r['peak_bytes'] for r in every))}"
-                  f" (predicted {format_bytes(est.total)}), model state {state_max / unsharded:.3f}"
-                  " of unsharded", flush=True)  # fmt: skip
+            print(
+                f"{resolved.describe()}: peak {format_bytes(max(r['peak_bytes'] for r in every))}"
+                f" (predicted {format_bytes(est.total)}), model state {state_max / unsharded:.3f}"
+                " of unsharded",
+                flush=True,
+            )
     return records
 
 

@@ -83,8 +83,14 @@ def run_bench(
                 spec_path = work / f"spec_{w}_{net.bandwidth}.json"
                 res_path = work / f"res_{w}_{net.bandwidth}.json"
                 spec_path.write_text(json.dumps(asdict(spec)))
-                logger.info("bench: %s at %s on %dx%d: %s", w, net.describe(), nodes,
-                            nproc_per_node, ", ".join(strategies))  # fmt: skip
+                logger.info(
+                    "bench: %s at %s on %dx%d: %s",
+                    w,
+                    net.describe(),
+                    nodes,
+                    nproc_per_node,
+                    ", ".join(strategies),
+                )
                 result = launch(
                     cluster,
                     ["plait.bench.harness", str(spec_path), str(res_path)],

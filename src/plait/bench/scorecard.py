@@ -51,9 +51,10 @@ def score(records: list[dict[str, Any]], peaks: dict[str, int]) -> list[dict[str
         for auto in (r for r in recs if r["strategy_spec"].startswith("plan:auto")):
             budget = _budget(auto["strategy_spec"])
             fitting = [
-                r for r in explicit
+                r
+                for r in explicit
                 if budget is None or peaks.get(_plan(r["strategy_desc"]), 1 << 62) <= budget
-            ]  # fmt: skip
+            ]
             best = min(fitting, key=lambda r: r["iter_time_s"])
             chosen = _plan(auto["strategy_desc"])
             peak = peaks.get(chosen)

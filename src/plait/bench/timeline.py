@@ -31,11 +31,13 @@ COLUMNS: list[tuple[str, Callable[[Event], bool]]] = [
     ("factor compute", lambda e: e["cat"] == FACTOR),
     ("factor comm", lambda e: e["cat"] == COMM and e["name"].startswith("factors")),
     ("inverse comm", lambda e: e["cat"] == COMM and e["name"].startswith("inverse")),
-    ("gradient comm",
-     lambda e: e["cat"] == COMM and not e["name"].startswith(("factors", "inverse"))),
+    (
+        "gradient comm",
+        lambda e: e["cat"] == COMM and not e["name"].startswith(("factors", "inverse")),
+    ),
     ("inversion", lambda e: e["cat"] == INVERSE),
     ("preconditioning", lambda e: e["cat"] == PRECONDITION),
-]  # fmt: skip
+]
 
 
 def _union(spans: Sequence[tuple[float, float]]) -> float:
@@ -95,9 +97,12 @@ def breakdown(trace: str | Path | dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for (strategy, phase), cols in acc.items():
         rows.append(
-            {"strategy": strategy, "phase": phase,
-             **{k: statistics.mean(v) for k, v in cols.items()}}
-        )  # fmt: skip
+            {
+                "strategy": strategy,
+                "phase": phase,
+                **{k: statistics.mean(v) for k, v in cols.items()},
+            }
+        )
     return rows
 
 

@@ -104,9 +104,16 @@ def _loopback_store_class() -> type:
                 master_listen_fd = sock.detach()  # the store owns the socket from here
             extra = {} if use_libuv is None else {"use_libuv": use_libuv}
             super().__init__(
-                host_name, port, world_size, is_master, timeout, wait_for_workers,
-                multi_tenant, master_listen_fd, **extra,
-            )  # fmt: skip
+                host_name,
+                port,
+                world_size,
+                is_master,
+                timeout,
+                wait_for_workers,
+                multi_tenant,
+                master_listen_fd,
+                **extra,
+            )
 
     return LoopbackTCPStore
 

@@ -223,10 +223,13 @@ def launch(
                     out = logs[node].open("wb")
                 procs.append(
                     subprocess.Popen(
-                        cmd, env=penv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                        cmd,
+                        env=penv,
+                        stdout=out,
+                        stderr=subprocess.STDOUT if out else None,
                         start_new_session=True,
                     )
-                )  # fmt: skip
+                )
                 if out is not None:
                     out.close()
             deadline = None if timeout_s is None else start + timeout_s

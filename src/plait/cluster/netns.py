@@ -209,9 +209,25 @@ class Cluster:
                 rate_bps = parse_rate(network.rate)
                 burst = max(_TBF_BURST_MIN, int(rate_bps / 8 * 0.004))
                 _run(
-                    [*inside, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-                     "rate", network.rate, "burst", str(burst), "latency", "400ms"]
-                )  # fmt: skip
+                    [
+                        *inside,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "handle",
+                        "1:",
+                        "tbf",
+                        "rate",
+                        network.rate,
+                        "burst",
+                        str(burst),
+                        "latency",
+                        "400ms",
+                    ]
+                )
                 parent = ["parent", "1:1"]
             netem: list[str] = []
             if network.latency:
@@ -224,8 +240,23 @@ class Cluster:
                         "--latency and --loss need the kernel's netem qdisc (sch_netem), "
                         "which this kernel does not provide; shape bandwidth only"
                     )
-                _run([*inside, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:",
-                      "netem", *netem, "limit", "100000"])  # fmt: skip
+                _run(
+                    [
+                        *inside,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        *parent,
+                        "handle",
+                        "10:",
+                        "netem",
+                        *netem,
+                        "limit",
+                        "100000",
+                    ]
+                )
         self._save_state()
 
     def down(self) -> None:

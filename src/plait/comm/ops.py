@@ -52,9 +52,13 @@ class CollectiveError(RuntimeError):
     """
 
     def __init__(
-        self, message: str, *, collective: str = "", ranks: tuple[int, ...] = (),
+        self,
+        message: str,
+        *,
+        collective: str = "",
+        ranks: tuple[int, ...] = (),
         peer: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.collective = collective
         self.ranks = ranks
@@ -68,9 +72,9 @@ def _group_ranks(group: Group) -> tuple[int, ...]:
         return ()
 
 
-def collective_error(op: Collective | str, name: str, group: Group, cause: BaseException) -> (
-    CollectiveError
-):  # fmt: skip
+def collective_error(
+    op: Collective | str, name: str, group: Group, cause: BaseException
+) -> CollectiveError:
     """Describe the failure `cause` of collective `name` (`op`) on `group`.
 
     The peer is named when the transport's message gives its rank, or when the group has
@@ -206,10 +210,14 @@ def all_reduce(
     if world_size(group) == 1:
         return _done_future(tensor)
     return _issue(
-        Collective.ALL_REDUCE, tensor, tensor,
+        Collective.ALL_REDUCE,
+        tensor,
+        tensor,
         lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
-        group=group, name=name, async_op=async_op,
-    )  # fmt: skip
+        group=group,
+        name=name,
+        async_op=async_op,
+    )
 
 
 def all_gather(
@@ -226,10 +234,14 @@ def all_gather(
     flat = torch.empty(p * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     src = tensor.reshape(-1).contiguous()
     return _issue(
-        Collective.ALL_GATHER, tensor, flat.view(p, *tensor.shape),
+        Collective.ALL_GATHER,
+        tensor,
+        flat.view(p, *tensor.shape),
         lambda: _all_gather_flat(flat, src, group=group, async_op=True),
-        group=group, name=name, async_op=async_op,
-    )  # fmt: skip
+        group=group,
+        name=name,
+        async_op=async_op,
+    )
 
 
 def broadcast(
@@ -244,10 +256,14 @@ def broadcast(
     if world_size(group) == 1:
         return _done_future(tensor)
     return _issue(
-        Collective.BROADCAST, tensor, tensor,
+        Collective.BROADCAST,
+        tensor,
+        tensor,
         lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),
-        group=group, name=name, async_op=async_op,
-    )  # fmt: skip
+        group=group,
+        name=name,
+        async_op=async_op,
+    )
 
 
 def reduce_scatter(
@@ -266,7 +282,11 @@ def reduce_scatter(
         raise ValueError(f"reduce_scatter needs numel divisible by {p}, got {tensor.numel()}")
     out = torch.empty(tensor.numel() // p, dtype=tensor.dtype, device=tensor.device)
     return _issue(
-        Collective.REDUCE_SCATTER, tensor, out,
+        Collective.REDUCE_SCATTER,
+        tensor,
+        out,
         lambda: _reduce_scatter_flat(out, tensor.reshape(-1), op=op, group=group, async_op=True),
-        group=group, name=name, async_op=async_op,
-    )  # fmt: skip
+        group=group,
+        name=name,
+        async_op=async_op,
+    )

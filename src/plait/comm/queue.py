@@ -97,8 +97,9 @@ class CollectiveQueue:
             except BaseException as exc:  # bookkeeping failed: never leave a waiter hanging
                 logger.exception("collective queue %r: job %r bookkeeping failed", self.name, name)
                 if not inner.done():
-                    inner.set_result(_Failed(exc if isinstance(exc, Exception) else
-                                             RuntimeError(repr(exc))))  # fmt: skip
+                    inner.set_result(
+                        _Failed(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+                    )
             finally:
                 with self._cv:
                     self._pending -= 1
@@ -108,10 +109,14 @@ class CollectiveQueue:
         with self._cv:
             earlier = self._error
         if earlier is not None:
-            inner.set_result(_Failed(CollectiveError(
-                f"collective queue {self.name!r}: job {name!r} not run, an earlier job "
-                f"failed: {earlier}"
-            )))  # fmt: skip
+            inner.set_result(
+                _Failed(
+                    CollectiveError(
+                        f"collective queue {self.name!r}: job {name!r} not run, an earlier job "
+                        f"failed: {earlier}"
+                    )
+                )
+            )
             return
         start = tracer.now_us()
         try:

@@ -255,8 +255,11 @@ def _load_compressor_state(  # noqa: PLR0917 - torch calls load pre-hooks positi
             "compressor state saved by rank %s of %s is loaded on rank %d of %d: its "
             "error-feedback residuals are that rank's (save every rank's state_dict for an "
             "exact resume)",
-            saved.get("rank"), saved.get("world_size"), rank, world,
-        )  # fmt: skip
+            saved.get("rank"),
+            saved.get("world_size"),
+            rank,
+            world,
+        )
     try:
         comp.load_state_dict(from_plain(saved["state"]))
     except (ValueError, KeyError, TypeError) as exc:

@@ -292,9 +292,14 @@ class HeadParallelAttention(nn.Module):
     """
 
     def __init__(
-        self, embed_dim: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True,
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
         batch_first: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
@@ -317,16 +322,23 @@ class HeadParallelAttention(nn.Module):
                 "add_zero_attn) converts to a tensor-parallel attention"
             )
         bias = mha.in_proj_bias is not None
-        new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=bias,
-                  batch_first=mha.batch_first)  # fmt: skip
+        new = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            dropout=mha.dropout,
+            bias=bias,
+            batch_first=mha.batch_first,
+        )
         with torch.no_grad():
-            for proj, w in zip((new.q_proj, new.k_proj, new.v_proj),
-                               mha.in_proj_weight.chunk(3), strict=True):  # fmt: skip
+            for proj, w in zip(
+                (new.q_proj, new.k_proj, new.v_proj), mha.in_proj_weight.chunk(3), strict=True
+            ):
                 proj.weight.copy_(w)
             if bias:
                 assert mha.in_proj_bias is not None
-                for proj, b in zip((new.q_proj, new.k_proj, new.v_proj),
-                                   mha.in_proj_bias.chunk(3), strict=True):  # fmt: skip
+                for proj, b in zip(
+                    (new.q_proj, new.k_proj, new.v_proj), mha.in_proj_bias.chunk(3), strict=True
+                ):
                     proj.bias.copy_(b)
         new.out_proj = mha.out_proj  # keeps the key "out_proj.*" of the stock module
         return new.to(mha.in_proj_weight.device)
@@ -401,9 +413,10 @@ class SequentialAdapter(ModelAdapter):
 
     def _layers(self, model: nn.Module) -> list[tuple[str, nn.TransformerEncoderLayer]]:
         return [
-            (name, m) for name, m in model.named_modules()
+            (name, m)
+            for name, m in model.named_modules()
             if isinstance(m, nn.TransformerEncoderLayer)
-        ]  # fmt: skip
+        ]
 
     def prepare(self, model: nn.Module) -> None:
         for _, layer in self._layers(model):
@@ -414,8 +427,14 @@ class SequentialAdapter(ModelAdapter):
         layers = self._layers(model)
         if not layers:
             blocks = [model.get_submodule(b) for b in self.blocks(model)]
-            return ModelDims(layers=len(blocks), hidden=0, heads=0, ffn=0, params=_count(model),
-                             block_params=max((_count(b) for b in blocks), default=0))  # fmt: skip
+            return ModelDims(
+                layers=len(blocks),
+                hidden=0,
+                heads=0,
+                ffn=0,
+                params=_count(model),
+                block_params=max((_count(b) for b in blocks), default=0),
+            )
         first = layers[0][1]
         return ModelDims(
             layers=len(layers),
@@ -441,10 +460,15 @@ class SequentialAdapter(ModelAdapter):
             return super().block_plan(block, sequence_parallel=sequence_parallel)
         sd = 1 if block.self_attn.batch_first else 0
         plan = _megatron_mlp_attention(
-            q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
-            o="self_attn.out_proj", fc="linear1", proj="linear2", seq_dim=sd,
+            q="self_attn.q_proj",
+            k="self_attn.k_proj",
+            v="self_attn.v_proj",
+            o="self_attn.out_proj",
+            fc="linear1",
+            proj="linear2",
+            seq_dim=sd,
             sequence_parallel=sequence_parallel,
-        )  # fmt: skip
+        )
         if sequence_parallel:
             plan.update(
                 {

@@ -134,8 +134,9 @@ class ParallelModel(nn.Module):
                 raise ValueError(f"plan {plan.describe()} needs an initialised process group")
             if plan.ac:
                 checkpoint_activations([model.get_submodule(b) for b in adapter.blocks(model)])
-            return cls(plan=plan, mesh=None, adapter=adapter, parts=[model],
-                       loss_fn=ScaledLoss(loss_fn))  # fmt: skip
+            return cls(
+                plan=plan, mesh=None, adapter=adapter, parts=[model], loss_fn=ScaledLoss(loss_fn)
+            )
         blocks = adapter.blocks(model)
         per_stage: list[list[Unit]] = []
         if plan.pp > 1:  # checked before the mesh: a model that does not split fails here
@@ -174,9 +175,17 @@ class ParallelModel(nn.Module):
                 plan.schedule, stages, n_microbatches=plan.n_microbatches(), loss_fn=loss
             )
             first, last = 0 in stage_ids, n - 1 in stage_ids
-        return cls(plan=plan, mesh=mesh, adapter=adapter, parts=parts, loss_fn=loss,
-                   schedule=schedule, has_first_stage=first, has_last_stage=last,
-                   grad_sync=grad_sync)  # fmt: skip
+        return cls(
+            plan=plan,
+            mesh=mesh,
+            adapter=adapter,
+            parts=parts,
+            loss_fn=loss,
+            schedule=schedule,
+            has_first_stage=first,
+            has_last_stage=last,
+            grad_sync=grad_sync,
+        )
 
     def build_optimizer(self, template: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to train with: `template`'s class, groups and hyper-parameters.
@@ -201,9 +210,11 @@ class ParallelModel(nn.Module):
         cls = type(template)
         if self.plan.zero is ZeroStage.OPTIMIZER and self.mesh is not None:
             return ZeroRedundancyOptimizer(
-                groups, optimizer_class=cls, process_group=self.mesh.group("dp"),
+                groups,
+                optimizer_class=cls,
+                process_group=self.mesh.group("dp"),
                 **_constructor_defaults(template),
-            )  # fmt: skip
+            )
         same = len(groups) == len(template.param_groups) and all(
             [id(p) for p in g["params"]] == [id(p) for p in t["params"]]
             for g, t in zip(groups, template.param_groups, strict=True)

@@ -57,8 +57,10 @@ class GradientSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(local_tensor(p.grad))
-        items = [FusionItem(name=str(i), nbytes=g.numel() * g.element_size())
-                 for i, g in enumerate(grads)]  # fmt: skip
+        items = [
+            FusionItem(name=str(i), nbytes=g.numel() * g.element_size())
+            for i, g in enumerate(grads)
+        ]
         pending = []
         for b, bucket in enumerate(self.planner.plan(items)):
             flat = torch.cat([grads[i].reshape(-1) for i in bucket])

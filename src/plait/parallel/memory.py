@@ -232,8 +232,9 @@ def estimate_memory(
     # a first stage keeps the embeddings' activations of every micro-batch in flight
     activations = in_flight(plan) * (kept + acts.other * mb) + per_block  # + a block's grads
     activations = max(activations * (1 + ACTIVATION_MARGIN), transient)
-    return MemoryEstimate(params=params, grads=grads, optimizer=opt, buffers=buffers,
-                          activations=activations)  # fmt: skip
+    return MemoryEstimate(
+        params=params, grads=grads, optimizer=opt, buffers=buffers, activations=activations
+    )
 
 
 # ------------------------------------------------------------------------ meter

@@ -572,8 +572,15 @@ def _progress(total: int, initial: int, *, enabled: bool) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stdout,
-                dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        file=sys.stdout,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
 
 
 def train(config: TrainConfig) -> dict[str, Any]:

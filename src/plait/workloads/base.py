@@ -182,8 +182,9 @@ class Workload:
             return self.synthetic(samples)
         real = self.real()
         n = min(samples, len(real.train))  # type: ignore[arg-type]
-        return DataSplit(train=Subset(real.train, range(n)), test=None, info=real.info,
-                         name=real.name)  # fmt: skip
+        return DataSplit(
+            train=Subset(real.train, range(n)), test=None, info=real.info, name=real.name
+        )
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The training loss of one batch."""

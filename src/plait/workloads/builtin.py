@@ -117,8 +117,12 @@ def _resnet(info: DataInfo) -> nn.Module:
 
 
 def _vgg(info: DataInfo) -> nn.Module:
-    return VGG(config="vgg16", in_channels=info.input_shape[0], num_classes=info.num_classes,
-               image_size=info.input_shape[-1])  # fmt: skip
+    return VGG(
+        config="vgg16",
+        in_channels=info.input_shape[0],
+        num_classes=info.num_classes,
+        image_size=info.input_shape[-1],
+    )
 
 
 def _digits_mlp(info: DataInfo, *, width: int = 128, **_: Any) -> nn.Module:
@@ -131,9 +135,13 @@ def _digits_cnn(info: DataInfo, *, width: int = 8, **_: Any) -> nn.Module:
 
 def _digits_transformer(info: DataInfo, *, width: int = 16, **_: Any) -> nn.Module:
     return TransformerClassifier(
-        vocab_size=info.input_vocab, seq_len=info.input_shape[0], d_model=width,
-        nhead=max(1, width // 8), dim_feedforward=2 * width, num_classes=info.num_classes,
-    )  # fmt: skip
+        vocab_size=info.input_vocab,
+        seq_len=info.input_shape[0],
+        d_model=width,
+        nhead=max(1, width // 8),
+        dim_feedforward=2 * width,
+        num_classes=info.num_classes,
+    )
 
 
 BUILTIN: tuple[Workload, ...] = (

@@ -11,8 +11,12 @@ pytest.importorskip("transformers")
 
 
 def test_plan_workload_accepts_a_factory_and_explains_itself() -> None:
-    choice = plan_workload("tests.parallel.hf_models:llama_workload", world=2,
-                           network=AlphaBeta.from_rate(1e8), slots=2)  # fmt: skip
+    choice = plan_workload(
+        "tests.parallel.hf_models:llama_workload",
+        world=2,
+        network=AlphaBeta.from_rate(1e8),
+        slots=2,
+    )
     assert {e.plan.tp for e in choice.estimates} == {1, 2}  # the derived plan is priced
     assert "LlamaForCausalLM" in choice.reason
     assert "base_model_tp_plan" in choice.reason

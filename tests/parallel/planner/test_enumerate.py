@@ -18,8 +18,13 @@ def test_candidates_are_valid_plans() -> None:
     for plan in plans:
         plan.validate(world=4, dims=dims)  # raises if the planner proposed an invalid plan
     assert {(p.dp, p.tp, p.pp) for p in plans} == {
-        (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)
-    }  # fmt: skip
+        (4, 1, 1),
+        (2, 2, 1),
+        (2, 1, 2),
+        (1, 4, 1),
+        (1, 2, 2),
+        (1, 1, 4),
+    }
 
 
 def test_candidates_respect_batch_and_axes() -> None:
@@ -29,8 +34,7 @@ def test_candidates_respect_batch_and_axes() -> None:
     # dp=4 would split a batch of 2 unequally
     assert all(p.dp in (1, 2) for p in plans)
     # ZeRO-1 needs plain tensors (no tensor parallelism) and a data axis
-    assert all(p.zero is not ZeroStage.OPTIMIZER or (p.tp == 1 and (p.dp or 1) > 1)
-               for p in plans)  # fmt: skip
+    assert all(p.zero is not ZeroStage.OPTIMIZER or (p.tp == 1 and (p.dp or 1) > 1) for p in plans)
     assert Plan(dp=2, tp=2, zero=ZeroStage.PARAMETERS, sp=True) in plans
 
 

@@ -20,8 +20,7 @@ GLOBAL_BATCH = 8
 def profile() -> ComputeProfile:
     """A fixed profile: pricing is arithmetic and needs no measurement."""
     acts = ActivationProfile(block=64e3, other=32e3, block_input=4e3)
-    return ComputeProfile(sample_s=0.01, block_share=0.8, acts=acts,
-                          tp_overhead_s=(1e-4, 2e-4))  # fmt: skip
+    return ComputeProfile(sample_s=0.01, block_share=0.8, acts=acts, tp_overhead_s=(1e-4, 2e-4))
 
 
 def test_choice_respects_memory_and_network(profile: ComputeProfile) -> None:
@@ -33,8 +32,12 @@ def test_choice_respects_memory_and_network(profile: ComputeProfile) -> None:
     assert (best.plan.dp, best.plan.ac) == (4, False)
     # a tight memory: the choice fits, the faster plans are rejected as out of memory
     net = AlphaBeta.from_rate(1e9)
-    fastest = choose(dims=dims, profile=profile, global_batch=GLOBAL_BATCH,
-                     hardware=Hardware(world=4, network=net))  # fmt: skip
+    fastest = choose(
+        dims=dims,
+        profile=profile,
+        global_batch=GLOBAL_BATCH,
+        hardware=Hardware(world=4, network=net),
+    )
     tight = Hardware(world=4, network=net, memory_bytes=int(0.8 * fastest.best.memory.total))
     limited = choose(dims=dims, profile=profile, hardware=tight, global_batch=GLOBAL_BATCH)
     assert tight.memory_bytes is not None
@@ -43,8 +46,12 @@ def test_choice_respects_memory_and_network(profile: ComputeProfile) -> None:
     assert not rejected.fits and rejected.time_s <= limited.best.time_s
     assert "out of memory" in limited.table(limit=None)
     with pytest.raises(ValueError, match="no plan fits"):
-        choose(dims=dims, profile=profile, global_batch=GLOBAL_BATCH,
-               hardware=Hardware(world=4, network=free.network, memory_bytes=1000))  # fmt: skip
+        choose(
+            dims=dims,
+            profile=profile,
+            global_batch=GLOBAL_BATCH,
+            hardware=Hardware(world=4, network=free.network, memory_bytes=1000),
+        )
 
 
 def test_no_schedule_beats_the_shared_cores(profile: ComputeProfile) -> None:

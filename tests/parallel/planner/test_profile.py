@@ -32,8 +32,12 @@ def test_compute_slots_without_a_group_is_one() -> None:
 
 
 def test_plait_plan_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["plan", "--workload", "mlp", "--nodes", "2", "--memory", "1GiB",
-                     "--bandwidth", "slow"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            ["plan", "--workload", "mlp", "--nodes", "2", "--memory", "1GiB", "--bandwidth", "slow"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "**chosen**" in out and "predicted" in out
     with pytest.raises(SystemExit):  # bad input is a usage error, not a traceback

@@ -14,8 +14,9 @@ from plait.train.strategy import make_strategy
 
 
 def _config(plan: str, **kw: Any) -> TrainConfig:
-    return TrainConfig(workload="gpt", plan=plan, steps=4, batch_size=2, progress=False,
-                       lr=1e-3, **kw)  # fmt: skip
+    return TrainConfig(
+        workload="gpt", plan=plan, steps=4, batch_size=2, progress=False, lr=1e-3, **kw
+    )
 
 
 def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], Trainer]:
@@ -51,8 +52,14 @@ def _worker(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     losses, trainer = _train(_config("auto", memory="4GiB"), 1)
     out["auto"] = trainer.strategy.describe()
     trainer.close()
-    spec = BenchSpec(workload="mlp", strategies=["ssgd", "plan:pp=2", "plan:dp=2,zero=3"],
-                     steps=1, warmup=0, batch_size=4, probe=False)  # fmt: skip
+    spec = BenchSpec(
+        workload="mlp",
+        strategies=["ssgd", "plan:pp=2", "plan:dp=2,zero=3"],
+        steps=1,
+        warmup=0,
+        batch_size=4,
+        probe=False,
+    )
     out["bench"] = run_benchmark(spec)
     return out
 

@@ -66,26 +66,48 @@ def markdown_table(records: Records) -> str:
     others = [s for s in ("serial", "vmap", "concurrent") if s in strategies]
     ratios = " | ".join(f"fused vs {s} wall [CPU]" for s in others)
     rule = "|---" * (len(strategies) + len(others) + 3) + "|\n"
-    head = ("| model | N | threads | " + " | ".join(f"{s} samples/s" for s in strategies)
-            + f" | {ratios} |\n" + rule)  # fmt: skip
+    head = (
+        "| model | N | threads | "
+        + " | ".join(f"{s} samples/s" for s in strategies)
+        + f" | {ratios} |\n"
+        + rule
+    )
     rows = []
     for (model, n, threads), recs in _by(records).items():
         cells = [f"{recs[s].throughput:.0f}" if s in recs else "-" for s in strategies]
-        rows.append(f"| {model} | {n} | {threads} | " + " | ".join(cells) + " | "
-                    + " | ".join(_ratio(recs, s) for s in others) + " |")  # fmt: skip
+        rows.append(
+            f"| {model} | {n} | {threads} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(_ratio(recs, s) for s in others)
+            + " |"
+        )
     md = head + "\n".join(rows) + "\n"
     if len({r.threads for r in records}) < 2:
         return md
     # CPU times of different thread counts do not compare: wall-clock ratios only
-    md += ("\nEach strategy at its fastest thread count (samples/s @ threads):\n\n"
-           "| model | N | " + " | ".join(strategies) + " | "
-           + " | ".join(f"fused vs {s} wall" for s in others) + " |\n"
-           + "|---" * (len(strategies) + len(others) + 2) + "|\n")  # fmt: skip
+    md += (
+        "\nEach strategy at its fastest thread count (samples/s @ threads):\n\n"
+        "| model | N | "
+        + " | ".join(strategies)
+        + " | "
+        + " | ".join(f"fused vs {s} wall" for s in others)
+        + " |\n"
+        + "|---" * (len(strategies) + len(others) + 2)
+        + "|\n"
+    )
     for (model, n), recs in _best(records).items():
-        cells = [f"{recs[s].throughput:.0f} @ {recs[s].threads}" if s in recs else "-"
-                 for s in strategies]  # fmt: skip
-        md += (f"| {model} | {n} | " + " | ".join(cells) + " | "
-               + " | ".join(_ratio(recs, s, cpu=False) for s in others) + " |\n")  # fmt: skip
+        cells = [
+            f"{recs[s].throughput:.0f} @ {recs[s].threads}" if s in recs else "-"
+            for s in strategies
+        ]
+        md += (
+            f"| {model} | {n} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(_ratio(recs, s, cpu=False) for s in others)
+            + " |\n"
+        )
     return md
 
 
@@ -108,11 +130,17 @@ def plot(records: Records, path: Path) -> Path:
             ax = axes[row][col]
             pairs = {(r.strategy, r.threads) for r in recs}
             for s, t in sorted(pairs, key=lambda p: (strategies.index(p[0]), p[1])):
-                pts = sorted((r.n, getattr(r, key)) for r in recs
-                             if r.strategy == s and r.threads == t)  # fmt: skip
+                pts = sorted(
+                    (r.n, getattr(r, key)) for r in recs if r.strategy == s and r.threads == t
+                )
                 style = ("o-", "s--", "^:", "d-.")[counts.index(t) % 4]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
-                        color=f"C{strategies.index(s)}", label=f"{s} ({t}t)")  # fmt: skip
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    color=f"C{strategies.index(s)}",
+                    label=f"{s} ({t}t)",
+                )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("models N")

@@ -210,9 +210,15 @@ def _measure(cfg: BenchConfig, name: str, n: int, batch: int) -> dict[Contestant
                     continue  # oversubscribed (see BenchConfig.threads)
                 torch.set_num_threads(threads)
                 runners[s, threads] = r = make_runner(
-                    s, model, n, batch=batch, threads=threads, device=cfg.device,
-                    tune=cfg.tune_malloc, adam=cfg.stock_adam,
-                )  # fmt: skip
+                    s,
+                    model,
+                    n,
+                    batch=batch,
+                    threads=threads,
+                    device=cfg.device,
+                    tune=cfg.tune_malloc,
+                    adam=cfg.stock_adam,
+                )
                 r.run(cfg.warmup)
 
         def measure(turn: Turn[Contestant]) -> Sample:

@@ -212,9 +212,16 @@ class Concurrent(Runner):
         self.procs: list[Any] = []
         for i in range(n):
             parent, child = ctx.Pipe()
-            kwargs = {"model_name": model.name, "batch": batch, "threads": threads, "seed": i,
-                      "device": device, "tune": tune, "adam": adam.value,
-                      "conn": child}  # fmt: skip
+            kwargs = {
+                "model_name": model.name,
+                "batch": batch,
+                "threads": threads,
+                "seed": i,
+                "device": device,
+                "tune": tune,
+                "adam": adam.value,
+                "conn": child,
+            }
             p = ctx.Process(target=_worker, kwargs=kwargs, daemon=True)
             p.start()
             child.close()
@@ -261,8 +268,9 @@ def make_runner(
     adam: StockAdam = StockAdam.FUSED,
 ) -> Runner:
     if strategy is ArrayStrategy.CONCURRENT:
-        return Concurrent(model, n, batch=batch, threads=threads, device=device, tune=tune,
-                          adam=adam)  # fmt: skip
+        return Concurrent(
+            model, n, batch=batch, threads=threads, device=device, tune=tune, adam=adam
+        )
     setup = _Setup(model, n, batch, device, adam=adam)
     if strategy is ArrayStrategy.FUSED:
         return Fused(setup)

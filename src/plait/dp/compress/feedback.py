@@ -41,8 +41,10 @@ class BucketErrors:
             old = self.params.get(name)
             if old is not None:
                 if old.numel() != p.numel():
-                    raise ValueError(f"error buffer of {name!r} has {old.numel()} entries, "
-                                     f"the parameter {p.numel()}")  # fmt: skip
+                    raise ValueError(
+                        f"error buffer of {name!r} has {old.numel()} entries, "
+                        f"the parameter {p.numel()}"
+                    )
                 view.copy_(old.reshape(-1))
             self.params[name] = view.view(p.shape)
             off += p.numel()

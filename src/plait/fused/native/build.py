@@ -207,8 +207,10 @@ def library_dir() -> Path:
         log.warning(
             "plait native kernel cache refused: %s; building in the private folder %s "
             "instead (set %s to a folder only you can write)",
-            problem, private, ENV_CACHE,
-        )  # fmt: skip
+            problem,
+            private,
+            ENV_CACHE,
+        )
     return private
 
 
@@ -226,8 +228,12 @@ def _command(sizes: dict[str, int]) -> tuple[list[str], str]:
     defines = [f"-D{name}={int(value)}" for name, value in sorted(sizes.items())]
     command = [cc, *FLAGS, *defines]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(command).encode(), _compiler_version(cc),
-                 _cpu_signature()):  # fmt: skip
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(command).encode(),
+        _compiler_version(cc),
+        _cpu_signature(),
+    ):
         digest.update(part)
         digest.update(b"\0")
     return command, digest.hexdigest()[:20]
@@ -320,8 +326,13 @@ def _build(command: list[str], key: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{tag}")
     tmp_sidecar = path.with_name(f".{_sidecar(path).name}.{tag}")
     try:
-        done = subprocess.run([*command, str(SOURCE), "-o", str(tmp), "-lm"], check=False,
-                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            [*command, str(SOURCE), "-o", str(tmp), "-lm"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
         if done.returncode != 0:
             raise OSError(f"{' '.join(command)} exited {done.returncode}: {done.stderr[-500:]}")
         os.chmod(tmp, 0o700)  # whatever the umask, nobody else may write it

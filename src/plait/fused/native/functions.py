@@ -41,8 +41,7 @@ def _ops() -> Any:
 
 
 def _is_cpu_f32(*tensors: Tensor | None) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
-               for t in tensors)  # fmt: skip
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
 
 
 def _find_kernels(seq: int = 0, head: int = 0, width: int = 0) -> Kernels | None:
@@ -187,8 +186,17 @@ def adam_step(
     exp_avg_sq flat [B, T] with the parameters side by side in order; model b moves by
     step_size[b] (its lr / (1 - beta1^step)) times m / (sqrt(v) / bc2_sqrt + eps).
     `lib` is `adam_kernels`'s answer."""
-    _ops().adam_step(params, grads, exp_avg, exp_avg_sq, [float(s) for s in step_size],
-                  beta1, beta2, eps, bc2_sqrt)  # fmt: skip
+    _ops().adam_step(
+        params,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        [float(s) for s in step_size],
+        beta1,
+        beta2,
+        eps,
+        bc2_sqrt,
+    )
     # the kernel wrote the parameters behind autograd's back: bump their version counters
     # as an in-place torch op would, so a graph that saved them reports the change
     torch.autograd.graph.increment_version(params)

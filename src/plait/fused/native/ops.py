@@ -70,8 +70,17 @@ def _attention(qkv: Tensor, mask: Tensor | None, heads: int, scale: float) -> tu
     out = qkv.new_empty(nb, t, e3 // 3)
     probs = qkv.new_empty(nb, heads, t, t)
     strides = (0, 0, 0, 0) if mask is None else mask.stride()
-    lib.attention_forward(qkv.data_ptr(), _ptr(mask), *strides, out.data_ptr(),
-                          probs.data_ptr(), nb, heads, scale, torch.get_num_threads())  # fmt: skip
+    lib.attention_forward(
+        qkv.data_ptr(),
+        _ptr(mask),
+        *strides,
+        out.data_ptr(),
+        probs.data_ptr(),
+        nb,
+        heads,
+        scale,
+        torch.get_num_threads(),
+    )
     return out, probs
 
 
@@ -88,8 +97,16 @@ def _attention_backward(
     t, e3 = qkv.shape[1], qkv.shape[2]
     lib = _library(SEQ=t, HEAD=e3 // (3 * heads))
     dqkv = torch.empty_like(qkv)
-    lib.attention_backward(qkv.data_ptr(), probs.data_ptr(), grad.data_ptr(), dqkv.data_ptr(),
-                           qkv.shape[0], heads, scale, torch.get_num_threads())  # fmt: skip
+    lib.attention_backward(
+        qkv.data_ptr(),
+        probs.data_ptr(),
+        grad.data_ptr(),
+        dqkv.data_ptr(),
+        qkv.shape[0],
+        heads,
+        scale,
+        torch.get_num_threads(),
+    )
     return dqkv
 
 
@@ -110,9 +127,18 @@ def _layer_norm(
     y = torch.empty_like(x)
     mean = x.new_empty(models * rows)
     rstd = x.new_empty(models * rows)
-    lib.layer_norm_forward(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(),
-                           mean.data_ptr(), rstd.data_ptr(), models, rows, eps,
-                           torch.get_num_threads())  # fmt: skip
+    lib.layer_norm_forward(
+        x.data_ptr(),
+        _ptr(weight),
+        _ptr(bias),
+        y.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        models,
+        rows,
+        eps,
+        torch.get_num_threads(),
+    )
     return y, mean, rstd
 
 
@@ -145,9 +171,19 @@ def _layer_norm_backward(  # noqa: PLR0917 (an operator's schema is positional)
     models, rows, width = x.shape
     lib = _library(WIDTH=width)
     dx, dw, db = _layer_norm_grads(x, weight, weight_grad, bias_grad)
-    lib.layer_norm_backward(grad.data_ptr(), x.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                            _ptr(weight), dx.data_ptr(), _ptr(dw), _ptr(db), models, rows,
-                            torch.get_num_threads())  # fmt: skip
+    lib.layer_norm_backward(
+        grad.data_ptr(),
+        x.data_ptr(),
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        _ptr(weight),
+        dx.data_ptr(),
+        _ptr(dw),
+        _ptr(db),
+        models,
+        rows,
+        torch.get_num_threads(),
+    )
     return dx, dw, db
 
 
@@ -181,11 +217,23 @@ def _adam_step(  # noqa: PLR0917 (an operator's schema is positional)
     sizes, offsets = _sizes_and_offsets(tuple(p.numel() // models for p in params))
     n = len(params)
     ptrs = ctypes.c_void_p * n
-    lib.adam_step(n, sizes, offsets,
-                  ptrs(*[p.data_ptr() for p in params]), ptrs(*[g.data_ptr() for g in grads]),
-                  exp_avg.data_ptr(), exp_avg_sq.data_ptr(), models, total,
-                  (ctypes.c_float * models)(*step_size), beta1, beta2, eps, bc2_sqrt,
-                  torch.get_num_threads())  # fmt: skip
+    lib.adam_step(
+        n,
+        sizes,
+        offsets,
+        ptrs(*[p.data_ptr() for p in params]),
+        ptrs(*[g.data_ptr() for g in grads]),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        models,
+        total,
+        (ctypes.c_float * models)(*step_size),
+        beta1,
+        beta2,
+        eps,
+        bc2_sqrt,
+        torch.get_num_threads(),
+    )
 
 
 def _adam_step_fake(  # noqa: PLR0917

@@ -54,8 +54,12 @@ def markdown(data: dict[str, Any]) -> str:
     head += "|---" * (len(keys) + 5) + "|\n"
     rows = []
     for r in trials:
-        vals = [f"{r['params'][k]:.3g}" if isinstance(r["params"].get(k), float)
-                else str(r["params"].get(k, "")) for k in keys]  # fmt: skip
+        vals = [
+            f"{r['params'][k]:.3g}"
+            if isinstance(r["params"].get(k), float)
+            else str(r["params"].get(k, ""))
+            for k in keys
+        ]
         value = f"{r['value']:.4f}" if r["value"] is not None else f"({r['curve'][-1]:.4f})"
         where = f"{r['array']} ({r['array_size']})"
         tail = f" | {r['state'].lower()} | {len(r['curve'])} | {value} | {where} |"
@@ -97,8 +101,14 @@ def plot(data: dict[str, Any], path: Path) -> Path:
     wds = [max(r["params"].get("weight_decay", 0.0), 1e-12) for r in trials]
     finals = [r["curve"][-1] for r in trials]
     done = [r["state"] == "COMPLETE" for r in trials]
-    sc = ax2.scatter(lrs, finals, c=[math.log10(w) for w in wds], cmap="plasma",
-                     marker="o", s=[30 if d else 12 for d in done])  # fmt: skip
+    sc = ax2.scatter(
+        lrs,
+        finals,
+        c=[math.log10(w) for w in wds],
+        cmap="plasma",
+        marker="o",
+        s=[30 if d else 12 for d in done],
+    )
     ax2.set_xscale("log")
     ax2.set_xlabel("learning rate")
     ax2.set_ylabel("last validation accuracy")

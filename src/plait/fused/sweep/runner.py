@@ -311,8 +311,13 @@ def train_array(
     curves: list[list[float]] = [[] for _ in range(b)]
     states = ["RUNNING"] * b
     shared = ", ".join(f"{k}={v}" for k, v in task.partition_key(params[0], cfg.optimizer))
-    bar = tqdm(total=cfg.epochs * data.steps(batch_size), disable=not cfg.progress, leave=False,
-               desc=f"array {array_id}: {b} trials ({shared})", unit="step")  # fmt: skip
+    bar = tqdm(
+        total=cfg.epochs * data.steps(batch_size),
+        disable=not cfg.progress,
+        leave=False,
+        desc=f"array {array_id}: {b} trials ({shared})",
+        unit="step",
+    )
     for epoch in range(cfg.epochs):
         array.train()
         losses = torch.zeros(len(active))
@@ -537,8 +542,9 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
         log.warning(
             "trial #%d was left RUNNING by a sweep that is gone (%s): marked FAIL, its "
             "configuration will be trained again",
-            trial.number, why,
-        )  # fmt: skip
+            trial.number,
+            why,
+        )
     return failed
 
 
@@ -607,9 +613,13 @@ class _Holder:
 def _open_study(name: str, storage: str, cfg: SweepConfig) -> optuna.Study:
     try:
         return optuna.create_study(
-            study_name=name, storage=storage, direction="maximize", sampler=_sampler(cfg),
-            pruner=_pruner(cfg), load_if_exists=True,
-        )  # fmt: skip
+            study_name=name,
+            storage=storage,
+            direction="maximize",
+            sampler=_sampler(cfg),
+            pruner=_pruner(cfg),
+            load_if_exists=True,
+        )
     except Exception as exc:
         # Errors of the storage layer may quote the URL, password included.
         raise ValueError(
@@ -672,10 +682,18 @@ def run_sweep(
         pool = pools.pop(key)
         array_id += 1
         trials = [t for t, _ in pool]
-        result.records.extend(train_array(
-            task, trials, [p for _, p in pool],
-            data=data, cfg=cfg, study=study, array_id=array_id, heartbeat=holder.beat,
-        ))  # fmt: skip
+        result.records.extend(
+            train_array(
+                task,
+                trials,
+                [p for _, p in pool],
+                data=data,
+                cfg=cfg,
+                study=study,
+                array_id=array_id,
+                heartbeat=holder.beat,
+            )
+        )
         holder.done(trials)
 
     # Ask trials one by one into pools of equal non-fusible values; a pool trains as one
@@ -697,8 +715,10 @@ def run_sweep(
                 capacities[key] = _capacity(task, params, data, cfg)
                 result.capacities[", ".join(f"{k}={v}" for k, v in key) or "all"] = capacities[key]
                 if cfg.progress:
-                    tqdm.write(f"largest array that fits ({dict(key) or 'all trials'}): "
-                               f"{capacities[key]} models (limit {cfg.max_models})")  # fmt: skip
+                    tqdm.write(
+                        f"largest array that fits ({dict(key) or 'all trials'}): "
+                        f"{capacities[key]} models (limit {cfg.max_models})"
+                    )
             pools.setdefault(key, []).append((trial, params))
             holder.beat()
             if len(pools[key]) >= capacities[key]:

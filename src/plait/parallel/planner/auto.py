@@ -117,8 +117,9 @@ def plan_workload(
     hw = Hardware(world=world, network=network, memory_bytes=memory_bytes, slots=slots)
     dims = adapter_for(model).dims(model)
     states = 2 if wl.optimizer in ("adam", "adamw") else 1
-    choice = choose(dims=dims, profile=profile, hardware=hw, global_batch=batch * world,
-                    optimizer_states=states)  # fmt: skip
+    choice = choose(
+        dims=dims, profile=profile, hardware=hw, global_batch=batch * world, optimizer_states=states
+    )
     choice.model_notes += model_notes(model)
     return choice
 

@@ -69,9 +69,17 @@ def candidate_plans(
                         for m in mbs:
                             for ac in (False, True):
                                 for off in offloads:
-                                    yield Plan(dp=dp, tp=tp, pp=pp, zero=zero, sp=sp,
-                                               schedule=schedule, microbatches=m, ac=ac,
-                                               offload=off)  # fmt: skip
+                                    yield Plan(
+                                        dp=dp,
+                                        tp=tp,
+                                        pp=pp,
+                                        zero=zero,
+                                        sp=sp,
+                                        schedule=schedule,
+                                        microbatches=m,
+                                        ac=ac,
+                                        offload=off,
+                                    )
 
 
 def excluded_degrees(world: int, dims: ModelDims) -> list[str]:

@@ -228,10 +228,14 @@ def estimate(
     dp, tp, pp = plan.dp or world // (plan.tp * plan.pp), plan.tp, plan.pp
     plan = plan.resolved(world) if plan.dp is None else plan
     mem = estimate_memory(
-        plan, dims=dims, acts=profile.acts, global_batch=global_batch,
-        optimizer_states=optimizer_states, bytes_per_param=bytes_per_param,
+        plan,
+        dims=dims,
+        acts=profile.acts,
+        global_batch=global_batch,
+        optimizer_states=optimizer_states,
+        bytes_per_param=bytes_per_param,
         offload_counts=not hardware.host_offload,
-    )  # fmt: skip
+    )
     net = _costs(hardware.network)
     s = bytes_per_param
     m = plan.n_microbatches()

@@ -11,8 +11,12 @@ from plait.dp.compress import compressor_class, compressor_names
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
 
 #: Options that go to DDP (through `data_parallel`) rather than to the compressor.
-DDP_OPTIONS = ("bucket_cap_mb", "final_bucket_mb", "find_unused_parameters",
-               "gradient_as_bucket_view")  # fmt: skip
+DDP_OPTIONS = (
+    "bucket_cap_mb",
+    "final_bucket_mb",
+    "find_unused_parameters",
+    "gradient_as_bucket_view",
+)
 
 
 def check_ddp_options(strategy: str, options: dict[str, Any]) -> None:
