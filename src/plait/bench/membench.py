@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from plait.parallel.memory import (
     model_state_bytes,
 )
 from plait.parallel.plan import Plan
+
+logger = logging.getLogger(__name__)
 
 
 def measure_plan(workload: str, plan: Plan, *, batch: int, steps: int = 2) -> dict[str, Any]:
@@ -98,11 +101,12 @@ def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[di
             }
         )
         if pdist.is_main():
-            print(
-                f"{resolved.describe()}: peak {format_bytes(max(r['peak_bytes'] for r in every))}"
-                f" (predicted {format_bytes(est.total)}), model state {state_max / unsharded:.3f}"
-                " of unsharded",
-                flush=True,
+            logger.info(
+                "%s: peak %s (predicted %s), model state %.3f of unsharded",
+                resolved.describe(),
+                format_bytes(max(r["peak_bytes"] for r in every)),
+                format_bytes(est.total),
+                state_max / unsharded,
             )
     return records
 
