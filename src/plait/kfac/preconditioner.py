@@ -114,6 +114,87 @@ class KFACStats:
     batch_shared: list[str] = field(default_factory=list)
 
 
+@dataclass
+class LayerSelection:
+    """What `select_layers` found: the layers to precondition and what is left alone."""
+
+    layers: dict[str, KFACLayer]
+    unhandled: Counter[str]
+    examples: dict[str, str]
+    shared: list[str]
+    matrices: bool  # a weight matrix is among the modules left alone
+
+    def no_layer_message(self, module: nn.Module) -> str:
+        return (
+            f"K-FAC found no layer to precondition in {type(module).__name__}: it "
+            "handles nn.Linear, nn.Conv2d, nn.Embedding and transformers' Conv1D"
+            + (f" (left alone: {', '.join(sorted(self.unhandled))})" if self.unhandled else "")
+            + "; register a Linear-like layer with plait.kfac.register_layer_type"
+        )
+
+
+def select_layers(module: nn.Module, skip_layers: tuple[str, ...] = ()) -> LayerSelection:
+    """The modules of `module` K-FAC preconditions, with no hook, group or timing.
+
+    A parameter shared by two modules (tied input and output embeddings) is left to
+    the optimizer: its Fisher block is the sum of one Kronecker product per use, and no
+    single pair of factors represents that sum. Either module's pair alone would treat
+    the other use's curvature as absent (and registering both would precondition one
+    gradient twice and keep only the last result). The exact inverse of the sum needs
+    decompositions of both vocabulary-sized sides, the very factor that makes an
+    output-embedding K-FAC impractical; plain gradients for that one matrix are exact.
+    """
+    layers: dict[str, KFACLayer] = {}
+    unhandled: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    matrices = False  # a weight matrix is among the modules left alone
+    owners: dict[int, list[str]] = {}
+    for name, sub in module.named_modules():
+        params = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        for p in params:
+            owners.setdefault(id(p), []).append(name or "<root>")
+        cls = type(sub).__name__
+        if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(cls, pat) for pat in skip_layers):
+            continue
+        layer = make_layer(name, sub)
+        if layer is None:
+            unhandled[cls] += 1
+            examples.setdefault(cls, name or "<root>")
+            matrices = matrices or any(p.dim() >= 2 for p in params)
+            continue
+        layers[name] = layer
+    shared = sorted(
+        {
+            " & ".join(owners[id(p)])
+            for layer in layers.values()
+            for p in layer.parameters()
+            if len(owners[id(p)]) > 1
+        }
+    )
+    for group in shared:
+        for name in group.split(" & "):
+            layers.pop("" if name == "<root>" else name, None)
+    return LayerSelection(
+        layers=layers, unhandled=unhandled, examples=examples, shared=shared, matrices=matrices
+    )
+
+
+def check_model(model: nn.Module, config: KFACConfig | None = None) -> None:
+    """Raise ValueError, naming the model, if K-FAC has no layer of it to precondition.
+
+    Pure (no hook, process group or timing), so a launcher can call it in the parent
+    process before any worker starts.
+    """
+    module = getattr(model, "module", model)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"KFAC expects an nn.Module, got {type(model).__name__}")
+    sel = select_layers(module, (config or KFACConfig()).skip_layers)
+    if not sel.layers:
+        raise ValueError(sel.no_layer_message(module))
+
+
 class KFAC:
     """Distributed K-FAC preconditioner; see the module docstring.
 
@@ -200,70 +281,25 @@ class KFAC:
 
     # ------------------------------------------------------------------ set-up
     def _register(self, module: nn.Module) -> dict[str, KFACLayer]:
-        """The layers to precondition; what is left alone is logged once, in one line.
-
-        A parameter shared by two modules (tied input and output embeddings) is left to
-        the optimizer: its Fisher block is the sum of one Kronecker product per use, and no
-        single pair of factors represents that sum. Either module's pair alone would treat
-        the other use's curvature as absent (and registering both would precondition one
-        gradient twice and keep only the last result). The exact inverse of the sum needs
-        decompositions of both vocabulary-sized sides, the very factor that makes an
-        output-embedding K-FAC impractical; plain gradients for that one matrix are exact.
+        """The layers to precondition (`select_layers`); what is left alone is logged once.
 
         Raises:
             ValueError: no module of the model is one K-FAC can precondition.
         """
-        layers: dict[str, KFACLayer] = {}
-        unhandled: Counter[str] = Counter()
-        examples: dict[str, str] = {}
-        matrices = False  # a weight matrix is among the modules left alone
-        owners: dict[int, list[str]] = {}
-        for name, sub in module.named_modules():
-            params = [p for p in sub.parameters(recurse=False) if p.requires_grad]
-            if not params:
-                continue
-            for p in params:
-                owners.setdefault(id(p), []).append(name or "<root>")
-            cls = type(sub).__name__
-            if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(cls, pat)
-                   for pat in self.cfg.skip_layers):  # fmt: skip
-                continue
-            layer = make_layer(name, sub)
-            if layer is None:
-                unhandled[cls] += 1
-                examples.setdefault(cls, name or "<root>")
-                matrices = matrices or any(p.dim() >= 2 for p in params)
-                continue
-            layers[name] = layer
-        shared = sorted(
-            {
-                " & ".join(owners[id(p)])
-                for layer in layers.values()
-                for p in layer.parameters()
-                if len(owners[id(p)]) > 1
-            }
-        )
-        for group in shared:
-            for name in group.split(" & "):
-                layers.pop("" if name == "<root>" else name, None)
-        if not layers:
-            raise ValueError(
-                f"K-FAC found no layer to precondition in {type(module).__name__}: it "
-                "handles nn.Linear, nn.Conv2d, nn.Embedding and transformers' Conv1D"
-                + (f" (left alone: {', '.join(sorted(unhandled))})" if unhandled else "")
-                + "; register a Linear-like layer with plait.kfac.register_layer_type"
-            )
-        self.stats.unhandled = sorted(unhandled)
-        self.stats.shared = shared
-        if unhandled or shared:
-            parts = [f"{cls} x{n} (e.g. {examples[cls]})" for cls, n in unhandled.items()]
-            parts += [f"weight shared by {group}" for group in shared]
+        sel = select_layers(module, self.cfg.skip_layers)
+        if not sel.layers:
+            raise ValueError(sel.no_layer_message(module))
+        self.stats.unhandled = sorted(sel.unhandled)
+        self.stats.shared = sel.shared
+        if sel.unhandled or sel.shared:
+            parts = [f"{cls} x{n} (e.g. {sel.examples[cls]})" for cls, n in sel.unhandled.items()]
+            parts += [f"weight shared by {group}" for group in sel.shared]
             logger.log(
-                logging.WARNING if matrices or shared else logging.INFO,
+                logging.WARNING if sel.matrices or sel.shared else logging.INFO,
                 "K-FAC leaves these to the optimizer, unpreconditioned: %s",
                 ", ".join(parts),
             )
-        return layers
+        return sel.layers
 
     def _make_groups(self, size: int) -> None:
         """Block and receiver groups; created collectively, in the same order on every rank."""
