@@ -128,3 +128,47 @@ def test_kfac_decides_after_the_first_step_from_its_costs() -> None:
         assert kfac.stats.inversions == 4 * (4 if expect.inv == 1 else 1)
         assert kfac.state_dict()["intervals"] == [expect.factor, expect.inv]
         kfac.remove()
+
+
+def test_kfac_decides_again_when_the_base_step_drifts() -> None:
+    """After `auto_window` steps the median base step is compared with the decided one."""
+    torch.manual_seed(0)
+    costs = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1e-6, flop_s=1e-12)
+    cfg = KFACConfig(inv_interval="auto", auto_window=2, probe=False)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    kfac = KFAC(model, cfg, costs=costs)
+    _train(kfac, model, 1)
+    planner = kfac._planner
+    assert planner is not None and planner.decided_on is not None
+    measured = planner.decided_on.base_step_s
+    assert measured > 0
+    # pretend the decision was made on a step 1000x slower: the next window drifts
+    planner.decided_on = StepCosts(base_step_s=1e3 * measured + 1, factor_comm_s=0, inversion_s=0)
+    _train(kfac, model, 2)
+    assert planner.decided_on.base_step_s < 1e3 * measured
+    kfac.remove()
+
+
+def _decide_on_two_ranks(rank: int, world: int) -> tuple[Intervals, float]:
+    import time
+
+    torch.manual_seed(0)
+    slow = KFACCosts(link=AlphaBeta.from_rate(1e6), inverse_s_per_n3=1e-7, flop_s=1e-12)
+    cfg = KFACConfig(factor_interval="auto", inv_interval="auto", probe=False)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    kfac = KFAC(model, cfg, costs=slow)
+    # rank 1's forward is slower: the ranks measure different base steps
+    model[1].register_forward_hook(lambda *_: time.sleep(0.05 * rank))
+    _train(kfac, model, 2)
+    assert kfac._planner is not None and kfac._planner.decided_on is not None
+    return kfac.intervals, kfac._planner.decided_on.base_step_s
+
+
+def test_ranks_that_measure_differently_decide_alike() -> None:
+    from plait.testing import run_distributed
+
+    got = run_distributed(_decide_on_two_ranks, world_size=2, timeout_s=120)
+    assert got[0] == got[1]
+    intervals, base = got[0]
+    assert base >= 0.05  # the slowest rank's step was agreed on
+    assert intervals.factor > 1  # a 1 Mbit/s link makes the factor all-reduce dear
