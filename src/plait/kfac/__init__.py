@@ -16,7 +16,7 @@ from plait.kfac.layers import (
 )
 from plait.kfac.pipeline import FactorComm, FactorPipeline, FactorSync, PipelineConfig
 from plait.kfac.placement import Assignment, Distribution, PlacementPolicy, assign, lpt
-from plait.kfac.preconditioner import KFAC
+from plait.kfac.preconditioner import KFAC, check_model
 
 __all__ = [
     "KFAC",
@@ -35,6 +35,7 @@ __all__ = [
     "PipelineConfig",
     "PlacementPolicy",
     "assign",
+    "check_model",
     "lpt",
     "make_layer",
     "register_layer_type",

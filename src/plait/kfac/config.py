@@ -15,11 +15,14 @@ from typing import Any
 import torch
 
 from plait.kfac.factors import InverseForm, Method
+from plait.kfac.intervals import AUTO
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
 
 Schedule = float | Callable[[int], float]
 IntSchedule = int | Callable[[int], int]
+#: An interval: a constant, a callable of the step, or ``"auto"`` (`plait.kfac.intervals`).
+Interval = IntSchedule | str
 
 _DTYPES = {"fp32": None, "float32": None, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}  # fmt: skip
@@ -44,8 +47,18 @@ class KFACConfig:
         factor_decay: running-average weight of the old factors, in [0, 1).
         kl_clip: bound on the step's KL change, ``lr^2 <P, M>`` (None: no clipping).
         lr: learning rate used by KL clipping (None: the attached optimizer's).
-        factor_interval: steps between factor updates (>= 1).
-        inv_interval: steps between inversions (>= 1).
+        factor_interval: steps between factor updates (>= 1), or ``"auto"``.
+        inv_interval: steps between inversions (>= 1), or ``"auto"``: chosen from the
+            measured base step and the priced factor all-reduce and inversions, as the
+            smallest intervals whose amortised overhead stays within `auto_overhead` of the
+            base step (`plait.kfac.intervals`), the same on every rank, and decided again
+            when the base step drifts.
+        auto_overhead: ``"auto"`` intervals: the overhead budget, a fraction of the base
+            step (> 0).
+        auto_max_interval: ``"auto"`` intervals: the largest interval chosen (>= 1).
+        auto_drift: ``"auto"`` intervals: decide again when the median base step of a
+            window moves by more than this factor from the one decided on (> 1).
+        auto_window: ``"auto"`` intervals: steps per drift check (>= 1).
         method: ``inverse`` (Cholesky) or ``eigen``.
         inverse_form: how the inverse method holds a factor: ``cholesky`` (triangular
             factor, solves), ``explicit`` (inverse, products) or ``auto`` (per factor, from
@@ -72,8 +85,8 @@ class KFACConfig:
     factor_decay: Schedule = 0.95
     kl_clip: Schedule | None = 1e-3
     lr: Schedule | None = None
-    factor_interval: IntSchedule = 1
-    inv_interval: IntSchedule = 1
+    factor_interval: Interval = 1
+    inv_interval: Interval = 1
     method: Method | str = Method.INVERSE
     inverse_form: InverseForm | str = InverseForm.AUTO
     comm: FactorComm | str = FactorComm.DYNAMIC
@@ -89,6 +102,10 @@ class KFACConfig:
     skip_layers: tuple[str, ...] = ()
     probe: bool = True
     replan_every: int = 10
+    auto_overhead: float = 0.25
+    auto_max_interval: int = 100
+    auto_drift: float = 2.0
+    auto_window: int = 20
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -109,14 +126,33 @@ class KFACConfig:
             check_float("kl_clip", self.kl_clip, low=0.0, low_open=True)
         if self.lr is not None:
             check_float("lr", self.lr, low=0.0)
-        check_int("factor_interval", self.factor_interval)
-        check_int("inv_interval", self.inv_interval)
+        for name in ("factor_interval", "inv_interval"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lower() == AUTO:
+                set_(name, AUTO)
+            else:
+                check_int(name, value)
+        if self.auto_intervals and not (
+            isinstance(self.factor_interval, int | str) and isinstance(self.inv_interval, int | str)
+        ):
+            raise ValueError('"auto" intervals cannot be combined with a schedule callable')
+        if not self.auto_overhead > 0:
+            raise ValueError(f"auto_overhead must be > 0, got {self.auto_overhead}")
+        check_int("auto_max_interval", self.auto_max_interval)
+        if not self.auto_drift > 1:
+            raise ValueError(f"auto_drift must be > 1, got {self.auto_drift}")
+        check_int("auto_window", self.auto_window)
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.grad_workers is not None and self.grad_workers < 1:
             raise ValueError(f"grad_workers must be >= 1, got {self.grad_workers}")
         if self.replan_every < 1:
             raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
+
+    @property
+    def auto_intervals(self) -> bool:
+        """Whether either interval is chosen by `plait.kfac.intervals`."""
+        return AUTO in (self.factor_interval, self.inv_interval)
 
     def constants(self) -> dict[str, Any]:
         """The plain-valued settings (for reports and checkpoints)."""

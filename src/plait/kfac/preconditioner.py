@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import ops
+from plait.comm.stats import Collective
 from plait.distributed import new_group
 from plait.kfac.config import KFACConfig, check_value
 from plait.kfac.costs import KFACCosts
@@ -46,6 +47,7 @@ from plait.kfac.factors import (
     precondition,
     second_order_numel,
 )
+from plait.kfac.intervals import AUTO, IntervalPlanner, Intervals, StepCosts
 from plait.kfac.layers import (
     Conv2dLayer,
     EmbeddingLayer,
@@ -110,6 +112,87 @@ class KFACStats:
     unhandled: list[str] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)
     batch_shared: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LayerSelection:
+    """What `select_layers` found: the layers to precondition and what is left alone."""
+
+    layers: dict[str, KFACLayer]
+    unhandled: Counter[str]
+    examples: dict[str, str]
+    shared: list[str]
+    matrices: bool  # a weight matrix is among the modules left alone
+
+    def no_layer_message(self, module: nn.Module) -> str:
+        return (
+            f"K-FAC found no layer to precondition in {type(module).__name__}: it "
+            "handles nn.Linear, nn.Conv2d, nn.Embedding and transformers' Conv1D"
+            + (f" (left alone: {', '.join(sorted(self.unhandled))})" if self.unhandled else "")
+            + "; register a Linear-like layer with plait.kfac.register_layer_type"
+        )
+
+
+def select_layers(module: nn.Module, skip_layers: tuple[str, ...] = ()) -> LayerSelection:
+    """The modules of `module` K-FAC preconditions, with no hook, group or timing.
+
+    A parameter shared by two modules (tied input and output embeddings) is left to
+    the optimizer: its Fisher block is the sum of one Kronecker product per use, and no
+    single pair of factors represents that sum. Either module's pair alone would treat
+    the other use's curvature as absent (and registering both would precondition one
+    gradient twice and keep only the last result). The exact inverse of the sum needs
+    decompositions of both vocabulary-sized sides, the very factor that makes an
+    output-embedding K-FAC impractical; plain gradients for that one matrix are exact.
+    """
+    layers: dict[str, KFACLayer] = {}
+    unhandled: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    matrices = False  # a weight matrix is among the modules left alone
+    owners: dict[int, list[str]] = {}
+    for name, sub in module.named_modules():
+        params = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        for p in params:
+            owners.setdefault(id(p), []).append(name or "<root>")
+        cls = type(sub).__name__
+        if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(cls, pat) for pat in skip_layers):
+            continue
+        layer = make_layer(name, sub)
+        if layer is None:
+            unhandled[cls] += 1
+            examples.setdefault(cls, name or "<root>")
+            matrices = matrices or any(p.dim() >= 2 for p in params)
+            continue
+        layers[name] = layer
+    shared = sorted(
+        {
+            " & ".join(owners[id(p)])
+            for layer in layers.values()
+            for p in layer.parameters()
+            if len(owners[id(p)]) > 1
+        }
+    )
+    for group in shared:
+        for name in group.split(" & "):
+            layers.pop("" if name == "<root>" else name, None)
+    return LayerSelection(
+        layers=layers, unhandled=unhandled, examples=examples, shared=shared, matrices=matrices
+    )
+
+
+def check_model(model: nn.Module, config: KFACConfig | None = None) -> None:
+    """Raise ValueError, naming the model, if K-FAC has no layer of it to precondition.
+
+    Pure (no hook, process group or timing), so a launcher can call it in the parent
+    process before any worker starts.
+    """
+    module = getattr(model, "module", model)
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"KFAC expects an nn.Module, got {type(model).__name__}")
+    sel = select_layers(module, (config or KFACConfig()).skip_layers)
+    if not sel.layers:
+        raise ValueError(sel.no_layer_message(module))
 
 
 class KFAC:
@@ -183,74 +266,40 @@ class KFAC:
         self._accumulating = False
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
+        # "auto" intervals: the planner, the intervals in force (1, 1 until the first
+        # decision, which the end of the first step makes), when this step's forward began
+        self._planner: IntervalPlanner | None = None
+        if self.cfg.auto_intervals:
+            self._planner = IntervalPlanner(
+                rho=self.cfg.auto_overhead, max_interval=self.cfg.auto_max_interval,
+                drift=self.cfg.auto_drift, window=self.cfg.auto_window,
+            )  # fmt: skip
+        self.intervals = Intervals(1, 1)
+        self._since_decision = 0
+        self._forward_began: float | None = None
         self.attach()
 
     # ------------------------------------------------------------------ set-up
     def _register(self, module: nn.Module) -> dict[str, KFACLayer]:
-        """The layers to precondition; what is left alone is logged once, in one line.
-
-        A parameter shared by two modules (tied input and output embeddings) is left to
-        the optimizer: its Fisher block is the sum of one Kronecker product per use, and no
-        single pair of factors represents that sum. Either module's pair alone would treat
-        the other use's curvature as absent (and registering both would precondition one
-        gradient twice and keep only the last result). The exact inverse of the sum needs
-        decompositions of both vocabulary-sized sides, the very factor that makes an
-        output-embedding K-FAC impractical; plain gradients for that one matrix are exact.
+        """The layers to precondition (`select_layers`); what is left alone is logged once.
 
         Raises:
             ValueError: no module of the model is one K-FAC can precondition.
         """
-        layers: dict[str, KFACLayer] = {}
-        unhandled: Counter[str] = Counter()
-        examples: dict[str, str] = {}
-        matrices = False  # a weight matrix is among the modules left alone
-        owners: dict[int, list[str]] = {}
-        for name, sub in module.named_modules():
-            params = [p for p in sub.parameters(recurse=False) if p.requires_grad]
-            if not params:
-                continue
-            for p in params:
-                owners.setdefault(id(p), []).append(name or "<root>")
-            cls = type(sub).__name__
-            if any(fnmatch.fnmatch(name, pat) or fnmatch.fnmatch(cls, pat)
-                   for pat in self.cfg.skip_layers):  # fmt: skip
-                continue
-            layer = make_layer(name, sub)
-            if layer is None:
-                unhandled[cls] += 1
-                examples.setdefault(cls, name or "<root>")
-                matrices = matrices or any(p.dim() >= 2 for p in params)
-                continue
-            layers[name] = layer
-        shared = sorted(
-            {
-                " & ".join(owners[id(p)])
-                for layer in layers.values()
-                for p in layer.parameters()
-                if len(owners[id(p)]) > 1
-            }
-        )
-        for group in shared:
-            for name in group.split(" & "):
-                layers.pop("" if name == "<root>" else name, None)
-        if not layers:
-            raise ValueError(
-                f"K-FAC found no layer to precondition in {type(module).__name__}: it "
-                "handles nn.Linear, nn.Conv2d, nn.Embedding and transformers' Conv1D"
-                + (f" (left alone: {', '.join(sorted(unhandled))})" if unhandled else "")
-                + "; register a Linear-like layer with plait.kfac.register_layer_type"
-            )
-        self.stats.unhandled = sorted(unhandled)
-        self.stats.shared = shared
-        if unhandled or shared:
-            parts = [f"{cls} x{n} (e.g. {examples[cls]})" for cls, n in unhandled.items()]
-            parts += [f"weight shared by {group}" for group in shared]
+        sel = select_layers(module, self.cfg.skip_layers)
+        if not sel.layers:
+            raise ValueError(sel.no_layer_message(module))
+        self.stats.unhandled = sorted(sel.unhandled)
+        self.stats.shared = sel.shared
+        if sel.unhandled or sel.shared:
+            parts = [f"{cls} x{n} (e.g. {sel.examples[cls]})" for cls, n in sel.unhandled.items()]
+            parts += [f"weight shared by {group}" for group in sel.shared]
             logger.log(
-                logging.WARNING if matrices or shared else logging.INFO,
+                logging.WARNING if sel.matrices or sel.shared else logging.INFO,
                 "K-FAC leaves these to the optimizer, unpreconditioned: %s",
                 ", ".join(parts),
             )
-        return layers
+        return sel.layers
 
     def _make_groups(self, size: int) -> None:
         """Block and receiver groups; created collectively, in the same order on every rank."""
@@ -320,6 +369,10 @@ class KFAC:
         return self._at(name, step)
 
     def _at(self, name: str, step: int) -> Any:
+        if name == "factor_interval" and self.cfg.factor_interval == AUTO:
+            return self.intervals.factor
+        if name == "inv_interval" and self.cfg.inv_interval == AUTO:
+            return self.intervals.inv
         checks = {
             "damping": {"low": 0.0, "low_open": True},
             "factor_decay": {"low": 0.0, "high": 1.0},
@@ -367,6 +420,8 @@ class KFAC:
     def _on_forward(
         self, layer: KFACLayer, module: nn.Module, inputs: tuple[Any, ...], output: Any
     ) -> None:
+        if self._forward_began is None and module.training and torch.is_grad_enabled():
+            self._forward_began = time.perf_counter()
         if not inputs or not isinstance(inputs[0], torch.Tensor) or not self._capturing(module):
             return
         if layer.name not in self.layers:  # left alone on the first step
@@ -450,6 +505,8 @@ class KFAC:
     def step(self) -> None:
         """Precondition the gradients in place; call after backward, before optimizer.step()."""
         t = self.steps
+        began, self._forward_began = self._forward_began, None
+        base_s = None if began is None else time.perf_counter() - began
         inv_step = self._is_inv_step(t)
         self._finalize_all()
         lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
@@ -475,6 +532,73 @@ class KFAC:
         self.steps += 1
         self.stats.steps += 1
         self._micro = 0
+        if self._planner is not None:
+            self._plan_intervals(self._planner, base_s)
+
+    # ------------------------------------------------------------------ "auto" intervals
+    def _plan_intervals(self, planner: IntervalPlanner, base_s: float | None) -> None:
+        """Decide the intervals after the first step, and again when the base step drifts.
+
+        The base step is the time from the first hooked forward of a step to `step` (the
+        forward and backward passes as K-FAC sees them). It differs by rank, so each rank's
+        median is agreed over the group (the largest: the slowest rank sets the pace);
+        the factor all-reduce and inversions are priced from `self.costs`, which every rank
+        holds alike. The agreement is a collective at a step count every rank reaches
+        together (the first step with an assignment, then every `auto_window` steps).
+        """
+        if base_s is not None:
+            planner.observe(base_s)
+        if self.assignment is None:
+            return
+        if planner.decided is not None:
+            self._since_decision += 1
+            if self._since_decision < planner.window:
+                return
+            self._since_decision = 0
+        base = self._agree_max(planner.median() or 0.0)
+        if planner.decided is not None and (base <= 0 or not planner.drifted(base)):
+            return
+        if planner.decided is not None:
+            logger.info("K-FAC base step drifted to %.3g s: deciding the intervals again", base)
+        costs = self.step_costs(base)
+        # the config allows "auto" beside a constant only (never beside a callable)
+        fixed_f, fixed_i = self.cfg.factor_interval, self.cfg.inv_interval
+        self.intervals = planner.decide(
+            costs,
+            factor=fixed_f if isinstance(fixed_f, int) else None,
+            inv=fixed_i if isinstance(fixed_i, int) else None,
+        )
+        self._since_decision = 0
+
+    def _agree_max(self, value: float) -> float:
+        if self.world <= 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        ops.all_reduce(t, group=self.group, op=dist.ReduceOp.MAX, name="kfac intervals",
+                       async_op=False)  # fmt: skip
+        return float(t[0])
+
+    def step_costs(self, base_step_s: float) -> StepCosts:
+        """The costs `"auto"` intervals weigh: `base_step_s`, and from `self.costs` one
+        all-reduce of every factor and one round of inversions (the placement's makespan
+        plus the broadcasts of its results)."""
+        comm_s = inv_s = 0.0
+        if self.world > 1 and self.pipeline.discovered:
+            comm_s = self.costs.link.time(
+                Collective.ALL_REDUCE, self.pipeline.wire_bytes(), self.world
+            )
+        asg = self.assignment
+        if asg is not None:
+            inv_s = asg.makespan_s
+            method = Method(self.cfg.method)
+            for s in self.pipeline.slots:
+                owner = asg.inv_rank.get(s.key, LOCAL)
+                workers = len(asg.inverse_group(s.layer)) if s.layer in asg.layer_rank else 1
+                if owner == LOCAL or workers <= 1:
+                    continue
+                nbytes = 4 * second_order_numel(method, s.shape, packed=self.cfg.packed)
+                inv_s += self.costs.link.time(Collective.BROADCAST, nbytes, workers)
+        return StepCosts(base_step_s=base_step_s, factor_comm_s=comm_s, inversion_s=inv_s)
 
     def _ensure_assignment(self) -> None:
         if self.assignment is not None or not self.pipeline.discovered:
@@ -685,6 +809,7 @@ class KFAC:
             "format": STATE_FORMAT,
             "steps": self.steps,
             "config": self.cfg.constants(),
+            "intervals": [self.intervals.factor, self.intervals.inv],
             "pipeline": self.pipeline.state_dict(include_factors=include_factors),
         }
         if include_factors:
@@ -716,6 +841,8 @@ class KFAC:
                 "from a state_dict(include_factors=False)"
             )
         self.steps = int(state["steps"])
+        if "intervals" in state:  # until "auto" decides again, after the first step
+            self.intervals = Intervals(*map(int, state["intervals"]))
         self.pipeline.load_state_dict(state.get("pipeline", {}))
         self._second.clear()
         self._pending.clear()

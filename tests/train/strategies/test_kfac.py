@@ -6,7 +6,10 @@ import warnings
 
 import pytest
 
-from plait.train.strategies.kfac import PRESETS, KFACStrategy
+from plait.kfac import KFACConfig
+from plait.kfac.pipeline import FactorComm, FactorSync
+from plait.kfac.placement import Distribution
+from plait.train.strategies.kfac import PRESETS, KFACPreset, KFACStrategy
 from plait.train.strategy import available_strategies, make_strategy
 
 
@@ -20,6 +23,50 @@ def test_strategies_are_registered_with_their_mechanics() -> None:
     assert spd.config.inv_interval == 10 and spd.config.method == "eigen"
     assert spd.describe() == "spd-kfac:comm_dtype=bf16,inv_interval=10,method=eigen"
     assert set(PRESETS) == {"kfac-naive", "kfac-static", "spd-kfac"}
+
+
+def test_presets_are_typed_configs_and_specs_still_name_them() -> None:
+    assert set(PRESETS) == set(KFACPreset)
+    assert all(isinstance(cfg, KFACConfig) for cfg in PRESETS.values())
+    spd = PRESETS[KFACPreset.SPD]
+    assert spd.sync is FactorSync.LAZY and spd.distribution is Distribution.AUTO
+    assert PRESETS[KFACPreset.NAIVE].comm is FactorComm.AFTER_BACKWARD
+    # a preset by enum or by name; options override its fields, typed like the config's
+    by_enum = KFACStrategy(preset=KFACPreset.STATIC, inv_interval=5)
+    assert by_enum.name == "kfac-static" and by_enum.config.comm is FactorComm.STATIC
+    assert by_enum.config.inv_interval == 5 and PRESETS[KFACPreset.STATIC].inv_interval == 1
+    auto = make_strategy("spd-kfac:factor_interval=auto,inv_interval=auto,auto_overhead=0.1")
+    assert isinstance(auto, KFACStrategy) and auto.config.auto_intervals
+    assert auto.config.auto_overhead == 0.1 and auto.config.sync is FactorSync.LAZY
+    with pytest.raises(ValueError, match="unknown K-FAC preset 'kfac-fast'"):
+        KFACStrategy(preset="kfac-fast")
+
+
+def test_check_refuses_a_model_with_no_supported_layer_before_launch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from torch import nn
+
+    strategy = make_strategy("spd-kfac")
+    strategy.check(nn.Sequential(nn.Linear(4, 2)), world=2)  # fine: nothing raised
+    with pytest.raises(ValueError, match=r"'spd-kfac'.*no layer to precondition in Norms"):
+
+        class Norms(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.norm = nn.LayerNorm(4)
+
+        strategy.check(Norms(), world=2)
+    strategy.close()
+
+    # the CLI's parent process refuses it (exit 2, one line) before any cluster or torchrun
+    from plait.cli import main
+
+    argv = ["train", "--workload", "mlp", "--strategy", "spd-kfac:skip_layers=*", "--nodes", "2"]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "no layer to precondition in" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -32,36 +33,48 @@ from plait.dp import compressor_class, compressor_of, data_parallel
 from plait.kfac.config import KFACConfig
 from plait.kfac.factors import precondition
 from plait.kfac.layers import KFACLayer
-from plait.kfac.preconditioner import KFAC, batch_size
+from plait.kfac.pipeline import FactorComm, FactorSync
+from plait.kfac.placement import Distribution, PlacementPolicy
+from plait.kfac.preconditioner import KFAC, batch_size, check_model
 from plait.trace import PRECONDITION, span
 from plait.train.strategies.dp import DDP_OPTIONS, check_compressor, check_ddp_options
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
 
-#: The mechanics each named strategy selects (its options may override any of them).
-PRESETS: dict[str, dict[str, Any]] = {
-    "kfac-naive": {
-        "comm": "after-backward",
-        "packed": False,
-        "placement": "round-robin",
-        "local_inversion": False,
-        "overlap": False,
-    },
-    "kfac-static": {
-        "comm": "static",
-        "packed": False,
-        "placement": "greedy",
-        "local_inversion": False,
-        "overlap": False,
-    },
-    "spd-kfac": {
-        "comm": "dynamic",
-        "packed": True,
-        "placement": "lpt",
-        "local_inversion": True,
-        "overlap": True,
-        "distribution": "auto",
-        "sync": "lazy",
-    },
+
+class KFACPreset(StrEnum):
+    """The named K-FAC strategies."""
+
+    NAIVE = "kfac-naive"
+    STATIC = "kfac-static"
+    SPD = "spd-kfac"
+
+
+#: The mechanics each named strategy selects, as typed configs (its options may override
+#: any field: they are applied with `dataclasses.replace`, which checks them again).
+PRESETS: dict[KFACPreset, KFACConfig] = {
+    KFACPreset.NAIVE: KFACConfig(
+        comm=FactorComm.AFTER_BACKWARD,
+        packed=False,
+        placement=PlacementPolicy.ROUND_ROBIN,
+        local_inversion=False,
+        overlap=False,
+    ),
+    KFACPreset.STATIC: KFACConfig(
+        comm=FactorComm.STATIC,
+        packed=False,
+        placement=PlacementPolicy.GREEDY,
+        local_inversion=False,
+        overlap=False,
+    ),
+    KFACPreset.SPD: KFACConfig(
+        comm=FactorComm.DYNAMIC,
+        packed=True,
+        placement=PlacementPolicy.LPT,
+        local_inversion=True,
+        overlap=True,
+        distribution=Distribution.AUTO,
+        sync=FactorSync.LAZY,
+    ),
 }
 
 _CONFIG_FIELDS = {f.name for f in fields(KFACConfig)}
@@ -71,30 +84,40 @@ class KFACStrategy(Strategy):
     """DDP (with a plait compressor) plus a `KFAC` preconditioner.
 
     Args:
-        preset: one of `PRESETS`.
+        preset: a `KFACPreset` (or its name).
         compression: the gradient compressor's name (``ssgd``, ``acpsgd``, ...).
         include_factors: checkpoints carry factors and decompositions (exact resume).
         **options: `KFACConfig` fields; anything else goes to the compressor.
     """
 
     def __init__(
-        self, *, preset: str, compression: str = "ssgd", include_factors: bool = True,
+        self,
+        *,
+        preset: KFACPreset | str,
+        compression: str = "ssgd",
+        include_factors: bool = True,
         **options: Any,
-    ) -> None:  # fmt: skip
-        self.name = preset
+    ) -> None:
+        try:
+            preset = KFACPreset(preset)
+        except ValueError:
+            names = ", ".join(p.value for p in KFACPreset)
+            raise ValueError(f"unknown K-FAC preset {preset!r}; choose from {names}") from None
+        self.name = str(preset)
+        self.preset = preset
         self.options = dict(options)
         cls = compressor_class(compression)
         comp_names = [*DDP_OPTIONS, *keyword_options(cls)]
         try:
-            check_options(preset, options, [*_CONFIG_FIELDS, *comp_names, "compression",
-                                            "include_factors"])  # fmt: skip
+            accepted = [*_CONFIG_FIELDS, *comp_names, "compression", "include_factors"]
+            check_options(self.name, options, accepted)
         except ValueError as exc:
             raise ValueError(
-                f"invalid options for {preset} with compressor {compression!r}: {exc}"
+                f"invalid options for {self.name} with compressor {compression!r}: {exc}"
             ) from None
         if not isinstance(include_factors, bool):
             raise ValueError(
-                f"strategy {preset!r}: include_factors must be true or false, "
+                f"strategy {self.name!r}: include_factors must be true or false, "
                 f"got {include_factors!r}"
             )
         kfac_opts = {k: v for k, v in options.items() if k in _CONFIG_FIELDS}
@@ -102,13 +125,13 @@ class KFACStrategy(Strategy):
         if "skip_layers" in kfac_opts and isinstance(kfac_opts["skip_layers"], str):
             kfac_opts["skip_layers"] = tuple(kfac_opts["skip_layers"].split("|"))
         try:
-            self.config = KFACConfig(**{**PRESETS[preset], **kfac_opts})
+            self.config = replace(PRESETS[preset], **kfac_opts)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"strategy {preset!r}: {exc}") from exc
-        check_ddp_options(preset, comp_opts)
+            raise ValueError(f"strategy {self.name!r}: {exc}") from exc
+        check_ddp_options(self.name, comp_opts)
         # validate the compressor's options now, not at wrap time
         check_compressor(
-            f"{preset} with compressor {compression!r}",
+            f"{self.name} with compressor {compression!r}",
             compression,
             {k: v for k, v in comp_opts.items() if k not in DDP_OPTIONS},
         )
@@ -119,6 +142,17 @@ class KFACStrategy(Strategy):
         self._model: nn.Module | None = None
         self._pending_state: dict[str, Any] | None = None
         self._compute_only = False
+
+    def check(self, model: nn.Module, *, world: int) -> None:
+        """Refuse, before launch, a model with no layer K-FAC can precondition.
+
+        Raises:
+            ValueError: naming the model and the layers K-FAC handles.
+        """
+        try:
+            check_model(model, self.config)
+        except ValueError as exc:
+            raise ValueError(f"strategy {self.name!r}: {exc}") from None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         wrapped: nn.Module = model
@@ -246,12 +280,12 @@ def _compute_only_step(kfac: KFAC) -> None:
     kfac.write_gradients(pairs, t)
 
 
-def _factory(preset: str) -> Any:
+def _factory(preset: KFACPreset) -> Any:
     def make(**options: Any) -> KFACStrategy:
         return KFACStrategy(preset=preset, **options)
 
     return make
 
 
-for _name in PRESETS:
-    register_strategy(_name)(_factory(_name))
+for _preset in KFACPreset:
+    register_strategy(_preset.value)(_factory(_preset))
