@@ -41,16 +41,18 @@ def test_no_flags_give_the_default_config() -> None:
 
 def test_every_field_round_trips() -> None:
     cfg = TrainConfig(
-        workload="gpt", strategy="acpsgd", data="synthetic", steps=7, batch_size=3,
+        workload="gpt", strategy="acpsgd:rank=4", data="synthetic", steps=7, batch_size=3,
         accumulate=2, lr=0.125, optimizer="adamw", momentum=0.5, weight_decay=0.01, seed=9,
         checkpoint="ck", checkpoint_every=5, trace="t.json", out="o.json", progress=False,
-        crossover="g", eval_every=4, plan="auto", memory="2GiB",
+        crossover="g", eval_every=4,
     )  # fmt: skip
-    changed = {k for k, v in asdict(cfg).items() if v != getattr(TrainConfig(), k)}
-    # every flag-backed field is off its default here, so the round trip tests them all
-    assert changed | NOT_FLAGS | {"epochs"} == {f.name for f in fields(TrainConfig)}
+    planned = TrainConfig(epochs=3, plan="auto", memory="2GiB")  # auto picks the strategy
+    default = TrainConfig()
+    changed = {k for c in (cfg, planned) for k, v in asdict(c).items() if v != getattr(default, k)}
+    # between them every flag-backed field is off its default, so the round trip covers all
+    assert changed | NOT_FLAGS == {f.name for f in fields(TrainConfig)}
     assert _parse(_argv(cfg)) == cfg
-    assert _parse(["--epochs", "3"]).epochs == 3
+    assert _parse(_argv(planned)) == planned
 
 
 def test_invalid_values_are_refused() -> None:
