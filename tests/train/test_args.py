@@ -41,11 +41,25 @@ def test_no_flags_give_the_default_config() -> None:
 
 def test_every_field_round_trips() -> None:
     cfg = TrainConfig(
-        workload="gpt", strategy="acpsgd:rank=4", data="synthetic", steps=7, batch_size=3,
-        accumulate=2, lr=0.125, optimizer="adamw", momentum=0.5, weight_decay=0.01, seed=9,
-        checkpoint="ck", checkpoint_every=5, trace="t.json", out="o.json", progress=False,
-        crossover="g", eval_every=4,
-    )  # fmt: skip
+        workload="gpt",
+        strategy="acpsgd:rank=4",
+        data="synthetic",
+        steps=7,
+        batch_size=3,
+        accumulate=2,
+        lr=0.125,
+        optimizer="adamw",
+        momentum=0.5,
+        weight_decay=0.01,
+        seed=9,
+        checkpoint="ck",
+        checkpoint_every=5,
+        trace="t.json",
+        out="o.json",
+        progress=False,
+        crossover="g",
+        eval_every=4,
+    )
     planned = TrainConfig(epochs=3, plan="auto", memory="2GiB")  # auto picks the strategy
     default = TrainConfig()
     changed = {k for c in (cfg, planned) for k, v in asdict(c).items() if v != getattr(default, k)}

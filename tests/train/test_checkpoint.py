@@ -96,7 +96,13 @@ def test_other_entries_in_the_folder_are_left_alone(tmp_path: Path) -> None:
     (tmp_path / "step_00000099").symlink_to(tmp_path / "elsewhere")
     _save(ck, 1)
     _save(ck, 2)
-    assert _steps(tmp_path) == ["elsewhere", "notes.txt", "step_00000002", "step_00000099", "step_1"]
+    assert _steps(tmp_path) == [
+        "elsewhere",
+        "notes.txt",
+        "step_00000002",
+        "step_00000099",
+        "step_1",
+    ]
     assert ck.latest() == tmp_path / "step_00000002"  # a link is never taken for a checkpoint
 
 
