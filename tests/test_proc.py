@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,9 @@ from plait._proc import (
 
 
 @pytest.fixture
-def sleeper() -> subprocess.Popen[bytes]:
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield proc  # type: ignore[misc]
+    yield proc
     proc.kill()
     proc.wait()
 
@@ -78,9 +79,9 @@ def test_deferred_signals_hold_off_a_stop(caplog: pytest.LogCaptureFixture) -> N
 
 def test_stop_signals_interrupt_like_ctrl_c() -> None:
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"):
-        with stop_signals_interrupt():
-            os.kill(os.getpid(), signal.SIGTERM)
+    stop = pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}")
+    with stop, stop_signals_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is before
 
 
