@@ -148,7 +148,8 @@ def test_gate_policy_in_one_process(tmp_path: Path) -> None:
             self.module = module
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.module(x)
+            out: torch.Tensor = self.module(x)
+            return out
 
     inner = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
     inner[0].requires_grad_(False)  # frozen layers do not hold the release back

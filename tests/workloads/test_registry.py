@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def not_a_workload():
 """
 
 
-def test_file_factory_resolves_and_runs(tmp_path) -> None:
+def test_file_factory_resolves_and_runs(tmp_path: Path) -> None:
     path = tmp_path / "toy_workload.py"
     path.write_text(_FACTORY)
     wl = get_workload(f"{path}:make")
@@ -65,7 +67,7 @@ def test_file_factory_resolves_and_runs(tmp_path) -> None:
     assert torch.isfinite(wl.loss(wl.model(data.info)(x), y))
 
 
-def test_module_factory_resolves(tmp_path, monkeypatch) -> None:
+def test_module_factory_resolves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "toy_pkg_mod.py").write_text(_FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert get_workload("toy_pkg_mod:make").name == "toy"
@@ -82,7 +84,7 @@ def test_module_factory_resolves(tmp_path, monkeypatch) -> None:
         ("resnet19", "unknown workload 'resnet19'"),
     ],
 )
-def test_bad_factory_names_the_problem(tmp_path, spec: str, needle: str) -> None:
+def test_bad_factory_names_the_problem(tmp_path: Path, spec: str, needle: str) -> None:
     (tmp_path / "toy_workload.py").write_text(_FACTORY)
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         get_workload(spec.format(dir=tmp_path))
