@@ -1,13 +1,25 @@
 from __future__ import annotations
 
+import importlib
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from plait.cluster import Cluster, NetworkSpec, launch
+from plait._proc import PARENT_ENV
+from plait.cluster import Cluster, LaunchResult, NetworkSpec, launch
+from plait.cluster.launch import torchrun_argv, worker_env
+from plait.cluster.netns import LOOPBACK_ENV
 from tests.conftest import NET_ADMIN
+
+#: the module itself: `plait.cluster.launch` as an attribute is the function `launch`
+launch_mod = importlib.import_module("plait.cluster.launch")
 
 SCRIPT = textwrap.dedent(
     """
@@ -74,3 +86,90 @@ def test_launch_rejects_bad_input(tmp_path: Path) -> None:
             launch(c, [sys.executable], nproc_per_node=0)
         with pytest.raises(ValueError, match="nothing to run"):
             launch(c, [])
+
+
+# ------------------------------------------------------------ without a cluster
+def test_worker_env_pins_every_transport_to_the_node_link() -> None:
+    c = Cluster(nodes=3, network=NetworkSpec(bandwidth="1gbit"), cid="abc123")
+    env = worker_env(c, 2, threads=3, extra={"OMP_NUM_THREADS": "5", "MINE": "x"})
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "plvabc123n2"
+    assert env["NCCL_SHM_DISABLE"] == env["NCCL_P2P_DISABLE"] == env["NCCL_IB_DISABLE"] == "1"
+    assert (env["PLAIT_NODES"], env["PLAIT_NODE"], env["PLAIT_CLUSTER"]) == ("3", "2", "abc123")
+    assert env["PLAIT_BANDWIDTH"] == "1gbit" and env["PLAIT_EMULATED"] == "1"
+    assert env[PARENT_ENV] == str(os.getpid()) and env[LOOPBACK_ENV] == "0"
+    assert env["OMP_NUM_THREADS"] == "5" and env["MINE"] == "x"  # extra wins
+    assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is inherited
+    loop = worker_env(Cluster(nodes=2, emulated=False), 1, threads=2)
+    assert loop["GLOO_SOCKET_IFNAME"] == "lo" and loop[LOOPBACK_ENV] == "1"
+    assert loop["OMP_NUM_THREADS"] == "2" and loop["PLAIT_EMULATED"] == "0"
+
+
+def _flags(cmd: list[str]) -> dict[str, str]:
+    return dict(a[2:].split("=", 1) for a in cmd if a.startswith("--") and "=" in a)
+
+
+def test_torchrun_argv_joins_one_rendezvous_hosted_by_node_0() -> None:
+    c = Cluster(nodes=2, cid="0a0b0c")
+    cmds = [
+        torchrun_argv(
+            c, n, ["train.py", "--lr=1"], nproc_per_node=4, port=2900, max_restarts=2, module=False
+        )
+        for n in range(2)
+    ]
+    for node, cmd in enumerate(cmds):
+        assert cmd[:4] == ["ip", "netns", "exec", c.netns(node)]
+        assert cmd[4:7] == [sys.executable, "-m", "plait.cluster.agent"]
+        assert cmd[-2:] == ["train.py", "--lr=1"]  # the job's own flags come last
+        flags = _flags(cmd[:-2])
+        assert flags["nnodes"] == "2" and flags["nproc-per-node"] == "4"
+        assert flags["rdzv-endpoint"] == f"{c.address(0)}:2900"
+        assert flags["rdzv-id"] == "0a0b0c-2900" and flags["max-restarts"] == "2"
+        assert flags["local-addr"] == c.address(node)
+        assert flags["rdzv-conf"].startswith(f"is_host={int(node == 0)},")
+    loop = Cluster(nodes=2, emulated=False)
+    cmd = torchrun_argv(
+        loop,
+        1,
+        ["plait.train"],
+        nproc_per_node=1,
+        port=1,
+        max_restarts=0,
+        module=True,
+        run_id="job",
+    )
+    assert cmd[0] == sys.executable and cmd[-2:] == ["-m", "plait.train"]
+    assert _flags(cmd)["rdzv-id"] == "job" and _flags(cmd)["local-addr"] == "127.0.0.2"
+
+
+def test_launch_result_and_log_tails(tmp_path: Path) -> None:
+    log = tmp_path / "node1.log"
+    log.write_text("\n".join(f"line {i}" for i in range(50)))
+    res = LaunchResult(returncodes=[0, 1], log_dir=tmp_path, elapsed_s=1.0, logs={1: log})
+    assert not res.ok
+    tail = res.tail(lines=3)
+    assert tail.splitlines() == [f"--- node 1 ({log}) ---", "line 47", "line 48", "line 49"]
+    assert LaunchResult(returncodes=[0, 0], log_dir=tmp_path, elapsed_s=1.0).ok
+    assert not LaunchResult(returncodes=[0], log_dir=tmp_path, elapsed_s=1.0, timed_out=True).ok
+
+
+def test_a_failed_node_stops_the_others_after_a_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch_mod, "_FAIL_GRACE_S", 0.3)
+    procs = [subprocess.Popen(["sleep", "60"], start_new_session=True), subprocess.Popen(["false"])]
+    start = time.monotonic()
+    assert launch_mod._wait_all(procs, None, None) is False  # not a timeout
+    assert time.monotonic() - start < 10
+    assert procs[0].poll() is None  # still running: stopping it is _kill_all's work
+    launch_mod._kill_all(procs)
+    assert procs[0].returncode == -signal.SIGTERM
+
+
+def test_a_deadline_or_a_stop_ends_the_wait() -> None:
+    procs = [subprocess.Popen(["sleep", "60"], start_new_session=True)]
+    try:
+        assert launch_mod._wait_all(procs, time.monotonic() + 0.2, None) is True
+        stop = threading.Event()
+        stop.set()
+        assert launch_mod._wait_all(procs, None, stop) is False
+    finally:
+        launch_mod._kill_all(procs)
+    assert procs[0].returncode is not None

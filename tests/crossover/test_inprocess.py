@@ -64,6 +64,10 @@ def test_bad_input() -> None:
     m = _models()[0]
     with pytest.raises(ValueError, match="one optimizer per model"):
         InterleavedModels([m], [])
+    with pytest.raises(ValueError, match="one optimizer per model"):
+        InterleavedModels([], [])
+    with pytest.raises(ValueError, match="one process group per model, got 2"):
+        InterleavedModels([m], [torch.optim.SGD(m.parameters(), lr=0.1)], groups=[None, None])
     runner = InterleavedModels([m], [torch.optim.SGD(m.parameters(), lr=0.1)])
     with pytest.raises(ValueError, match="one batch per model"):
         runner.step([], nn.functional.cross_entropy)

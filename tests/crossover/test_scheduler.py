@@ -135,3 +135,37 @@ def test_jobs_of_different_lengths_and_a_crash_never_block_the_others(tmp_path: 
     assert outcome["short"] == [3, 3]
     assert outcome["long"] == [40, 40]  # outlived the short job and the crashed one
     assert isinstance(outcome["crash"], WorkerError)
+
+
+def test_gate_policy_in_one_process(tmp_path: Path) -> None:
+    import torch
+
+    from plait.crossover import ComputeToken, Crossover
+
+    class Wrapper(torch.nn.Module):  # stands for DDP: the gate goes on `.module`
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.module(x)
+            return out
+
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    inner[0].requires_grad_(False)  # frozen layers do not hold the release back
+    model = Wrapper(inner)
+    tok = ComputeToken("g", key="policy", directory=tmp_path)
+    xo = Crossover(model, group="g", token=tok)
+    inner.eval()
+    model(torch.ones(1, 3))  # evaluation: no token
+    assert xo.stats.acquisitions == 0
+    inner.train()
+    out = model(torch.ones(1, 3))
+    assert tok.held  # taken before the forward computes
+    model(torch.ones(1, 3))  # a second forward while holding it: no second acquisition
+    out.sum().backward()
+    assert not tok.held and xo.stats.acquisitions == 1
+    xo.close()
+    xo.close()  # idempotent
+    model(torch.ones(1, 3)).sum().backward()  # hooks gone: no gate any more
+    assert xo.stats.acquisitions == 1

@@ -1,4 +1,5 @@
-"""S-SGD through plait's counted hook equals single-process training on the whole batch."""
+"""S-SGD (`AllReduce`, DDP's averaging hook counted by plait) equals single-process training
+on the whole batch."""
 
 from __future__ import annotations
 
