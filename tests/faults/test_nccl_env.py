@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from plait.cluster import Cluster, launch
 from plait.cluster.launch import worker_env
@@ -43,8 +44,9 @@ NCCL_JOB = textwrap.dedent(
     """
     import json, os, sys
     import torch, torch.distributed as dist
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local % torch.cuda.device_count())
+    # every emulated node runs LOCAL_RANK 0: spread the nodes over the GPUs by global rank
+    # (NCCL refuses two ranks of one communicator on one device)
+    torch.cuda.set_device(int(os.environ["RANK"]) % torch.cuda.device_count())
     dist.init_process_group("nccl")
     x = torch.ones(1 << 16, device="cuda") * (dist.get_rank() + 1)
     dist.all_reduce(x)
@@ -59,6 +61,8 @@ NCCL_JOB = textwrap.dedent(
 @pytest.mark.gpu
 @pytest.mark.cluster
 def test_nccl_all_reduce_across_emulated_nodes(tmp_path: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("two emulated nodes need a GPU each (NCCL refuses two ranks on one device)")
     script = tmp_path / "nccl_job.py"
     script.write_text(NCCL_JOB)
     with Cluster.create(nodes=2, quiet=True) as c:
