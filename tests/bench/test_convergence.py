@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.bench.convergence import _parse_runs, markdown, steps_to, summarise
+from plait.bench.records import ConvergenceRun, ConvergenceSummary
 
 
 def test_steps_to_is_the_first_evaluation_at_target() -> None:
@@ -14,18 +15,24 @@ def test_steps_to_is_the_first_evaluation_at_target() -> None:
 
 
 def test_summary_picks_the_best_learning_rate_and_skips_misses() -> None:
+    def run(strategy: str, lr: float, seed: int, hit: int | None) -> ConvergenceRun:
+        return ConvergenceRun(strategy=strategy, lr=lr, seed=seed, steps_to_target=hit, curve=[])
+
     records = [
-        {"strategy": "ssgd", "lr": 0.1, "steps_to_target": 100},
-        {"strategy": "ssgd", "lr": 0.1, "steps_to_target": 140},
-        {"strategy": "ssgd", "lr": 0.5, "steps_to_target": 20},
-        {"strategy": "ssgd", "lr": 0.5, "steps_to_target": None},  # one seed missed
-        {"strategy": "spd-kfac:damping=0.01", "lr": 0.01, "steps_to_target": 60},
-        {"strategy": "spd-kfac:damping=0.01", "lr": 0.01, "steps_to_target": 60},
+        run("ssgd", 0.1, 0, 100),
+        run("ssgd", 0.1, 1, 140),
+        run("ssgd", 0.5, 0, 20),
+        run("ssgd", 0.5, 1, None),  # one seed missed
+        run("spd-kfac:damping=0.01", 0.01, 0, 60),
+        run("spd-kfac:damping=0.01", 0.01, 1, 60),
     ]
     summary = summarise(records, 0.95)
-    assert summary["best"]["ssgd"]["lr"] == 0.1
-    assert summary["best"]["ssgd"]["median"] == 120
-    assert summary["best"]["spd-kfac"]["median"] == 60
+    assert summary.best["ssgd"].lr == 0.1
+    assert summary.best["ssgd"].median == 120
+    assert summary.best["spd-kfac"].median == 60
+    assert summary.settings[1].median is None
+    assert "| ssgd | 0.5 | 20, - | not reached |" in markdown(summary, baseline="ssgd")
+    assert ConvergenceSummary.from_dict(summary.to_dict()) == summary
     assert "| spd-kfac:damping=0.01 | 0.01 | 60 | 0.50x |" in markdown(summary, baseline="ssgd")
 
 
