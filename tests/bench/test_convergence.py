@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
+from typing import Any
 
+import pytest
+import torch.distributed as dist
+
+from plait.bench import convergence
 from plait.bench.convergence import _parse_runs, markdown, steps_to, summarise
-from plait.bench.records import ConvergenceRun, ConvergenceSummary
+from plait.bench.records import ConvergenceReport, ConvergenceRun, ConvergenceSummary
 
 
 def test_steps_to_is_the_first_evaluation_at_target() -> None:
@@ -45,3 +51,29 @@ def test_run_specs_need_a_learning_rate() -> None:
     ]
     with pytest.raises(ValueError, match="STRATEGY@LR"):
         _parse_runs(["ssgd"], [0])
+
+
+def test_main_writes_the_report_through_the_one_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With training faked (a curve per run whose speed depends on lr), the report holds
+    every run, the summary and its provenance, and loads back as a `ConvergenceReport`."""
+
+    def fake_run(run: convergence.Run, **_: Any) -> list[dict[str, Any]]:
+        rate = 0.01 if run.lr < 0.05 else 0.02
+        return [
+            {"step": s, "train_loss": 1.0, "test_loss": 1.0, "test_accuracy": min(1.0, rate * s)}
+            for s in range(5, 105, 5)
+        ]
+
+    monkeypatch.setattr(convergence, "run_one", fake_run)
+    monkeypatch.setattr(convergence, "_init_single_process_group", lambda: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    argv = ["--workload", "mlp", "--run", "ssgd@0.01,0.1", "--seeds", "0,1", "--out", str(tmp_path)]
+    assert convergence.main([*argv, "--target", "0.9"]) == 0
+    report = ConvergenceReport.from_dict(json.loads((tmp_path / "results.json").read_text()))
+    assert len(report.runs) == 4
+    assert report.meta.workload == "mlp" and report.meta.commit
+    assert (report.summary.best["ssgd"].lr, report.summary.best["ssgd"].median) == (0.1, 45)
+    assert (tmp_path / "results.md").read_text().startswith("# Convergence\n\nCommand: `")
+    assert (tmp_path / "results.png").stat().st_size > 0

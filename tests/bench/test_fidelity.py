@@ -10,6 +10,7 @@ import pytest
 
 from plait.bench import fidelity
 from plait.bench.records import FidelityRecord
+from plait.cluster import Cluster
 
 
 def _record(workload: str, strategy: str, acc: float | None, loss: float = 0.5) -> FidelityRecord:
@@ -56,7 +57,7 @@ def test_bad_inputs_fail_before_a_cluster_is_built(
     def no_cluster(**_: Any) -> None:
         raise AssertionError("a cluster was built for inputs that cannot run")
 
-    monkeypatch.setattr(fidelity.Cluster, "create", no_cluster)
+    monkeypatch.setattr(Cluster, "create", no_cluster)
     with pytest.raises(ValueError, match=match):
         fidelity.run_fidelity(**kwargs)
 

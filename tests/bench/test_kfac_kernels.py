@@ -13,7 +13,7 @@ from plait.workloads import get_workload
 
 def test_every_layer_of_the_model_is_timed(tmp_path: Path) -> None:
     wl = get_workload("mlp")
-    data = wl.synthetic(4)
+    data = wl.bench_data(4)
     model = wl.model(data.info, bench=True)
     expected = [n for n, m in model.named_modules() if make_layer(n, m) is not None]
     assert kfac_kernels.main(["--workload", "mlp", "--repeats", "1", "--out", str(tmp_path)]) == 0

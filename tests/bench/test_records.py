@@ -103,7 +103,7 @@ def test_other_committed_results_write_back_identically(pattern: str, kind: type
 
 
 def test_a_record_refuses_keys_it_would_lose() -> None:
-    with pytest.raises(ValueError, match="no field.*peak"):
+    with pytest.raises(ValueError, match=r"no field.*peak"):
         ScoreRow.from_dict({"workload": "gpt", "peak": 1})
     with pytest.raises(ValueError, match="KernelRecord"):
         KernelReport.from_dict({"meta": {"workload": "mlp"}, "layers": [{"layer": "fc"}]})

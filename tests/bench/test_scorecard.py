@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 from pathlib import Path
+
+import pytest
 
 from plait.bench.records import ScoreRow
 from plait.bench.scorecard import main, markdown, score
