@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from plait.bench.scorecard import markdown, score
+from plait.bench.records import ScoreRow
+from plait.bench.scorecard import main, markdown, score
 
 
 def test_scorecard_compares_the_choice_with_the_fastest_fitting_plan() -> None:
@@ -38,11 +42,43 @@ def test_scorecard_compares_the_choice_with_the_fastest_fitting_plan() -> None:
         "dp=2,pp=2,microbatches=4": 90 * 2**20,
     }
     free, tight, other, noisy = score(records, peaks)
-    assert (free["fastest_fitting"], free["within_tolerance"]) == ("dp=4", False)
-    assert (tight["fastest_fitting"], tight["within_tolerance"]) == (pp4[5:], True)
-    assert tight["fits_measured"] is True
+    assert (free.fastest_fitting, free.within_tolerance) == ("dp=4", False)
+    assert (tight.fastest_fitting, tight.within_tolerance) == (pp4[5:], True)
+    assert tight.fits_measured is True
     # the explicit run (2.1) and the automatic one (2.2) pool to 2.15: 1.075x of 2.0
-    assert (other["is_fastest"], other["within_tolerance"]) == (False, True)
-    assert other["ratio"] == pytest.approx(2.15 / 2.0)
-    assert (noisy["is_fastest"], noisy["within_tolerance"]) == (True, True)
+    assert (other.is_fastest, other.within_tolerance) == (False, True)
+    assert other.ratio == pytest.approx(2.15 / 2.0)
+    assert (noisy.is_fastest, noisy.within_tolerance) == (True, True)
     assert "3 of 4 settings" in markdown([free, tight, other, noisy])
+
+
+def test_main_reads_bench_and_memory_files_and_writes_both_reports(tmp_path: Path) -> None:
+    def rec(spec: str, desc: str, t: float) -> dict[str, object]:
+        return {
+            "workload": "gpt",
+            "bandwidth": "fast",
+            "strategy_spec": spec,
+            "strategy_desc": desc,
+            "iter_time_s": t,
+        }
+
+    results, memory, out = tmp_path / "r.json", tmp_path / "memory.json", tmp_path / "s.md"
+    rows = [rec("plan:dp=2", "plan:dp=2", 1.0), rec("plan:auto=true", "plan:dp=2", 1.02)]
+    results.write_text(json.dumps(rows))
+    mem = {
+        "workload": "gpt",
+        "plan": "dp=2",
+        "world": 2,
+        "global_batch": 8,
+        "model_state_bytes": [10, 10],
+        "peak_bytes": [30, 40],
+        "predicted_model_state_bytes": 10,
+        "predicted_peak_bytes": 35,
+        "unsharded_model_state_bytes": 10,
+        "model_state_fraction": 1.0,
+    }
+    memory.write_text(json.dumps([mem]))
+    assert main([str(results), "--memory", str(memory), "--out", str(out)]) == 0
+    (row,) = [ScoreRow.from_dict(r) for r in json.loads(out.with_suffix(".json").read_text())]
+    assert (row.chosen, row.is_fastest, row.chosen_peak_bytes) == ("dp=2", True, 40)
+    assert "1 of 1 settings" in out.read_text()

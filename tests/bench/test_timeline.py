@@ -38,15 +38,18 @@ def _trace() -> dict[str, Any]:
 
 def test_breakdown_unions_overlaps_and_averages_ranks() -> None:
     (row,) = breakdown(_trace())
-    assert (row["strategy"], row["phase"]) == ("s", "step")
-    assert row["step"] == pytest.approx(10.0)
-    assert row["factor comm"] == pytest.approx(4.0)  # [2, 6) counted once, not 6 s
-    assert row["inverse comm"] == pytest.approx(1.0)
-    assert row["gradient comm"] == pytest.approx(1.0)
-    assert row["inversion"] == pytest.approx(3.0)  # ranks: 2 s and 4 s
-    assert row["preconditioning"] == pytest.approx(1.0)
-    assert row["forward+backward"] == pytest.approx(3.0)
+    assert (row.strategy, row.phase) == ("s", "step")
+    assert row.step == pytest.approx(10.0)
+    busy = row.busy
+    assert busy["factor comm"] == pytest.approx(4.0)  # [2, 6) counted once, not 6 s
+    assert busy["inverse comm"] == pytest.approx(1.0)
+    assert busy["gradient comm"] == pytest.approx(1.0)
+    assert busy["inversion"] == pytest.approx(3.0)  # ranks: 2 s and 4 s
+    assert busy["preconditioning"] == pytest.approx(1.0)
+    assert busy["forward+backward"] == pytest.approx(3.0)
     assert "| s | step | 10.00 |" in markdown([row])
+    # the JSON row is flat, the step's wall time first, then the columns in report order
+    assert list(row.to_dict())[:4] == ["strategy", "phase", "step", "forward+backward"]
 
 
 def test_reads_plain_and_gzipped_trace_files(tmp_path: Path) -> None:

@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
-import statistics
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.records import pyplot, save_figure, stamp
+from plait.bench.core import Stats
+from plait.bench.records import (
+    ConvergenceReport,
+    ConvergenceRun,
+    ConvergenceSetting,
+    ConvergenceSummary,
+    RunMeta,
+)
+from plait.records import pyplot, save_figure, write_report
 from plait.train.loop import TrainConfig, Trainer
 from plait.workloads import get_workload
 
@@ -79,69 +86,69 @@ def run_one(
         trainer.close()
 
 
-def summarise(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
+def summarise(records: Sequence[ConvergenceRun], target: float) -> ConvergenceSummary:
     """Per (strategy, lr): median steps to target over seeds; per family: the best lr."""
     by_setting: dict[tuple[str, float], list[int | None]] = {}
     for r in records:
-        by_setting.setdefault((r["strategy"], r["lr"]), []).append(r["steps_to_target"])
+        by_setting.setdefault((r.strategy, r.lr), []).append(r.steps_to_target)
     settings = []
     for (strategy, lr), hits in by_setting.items():
         reached = [h for h in hits if h is not None]
-        median = statistics.median(reached) if len(reached) == len(hits) else None
-        settings.append({"strategy": strategy, "lr": lr, "steps_to_target": hits, "median": median})
-    best: dict[str, dict[str, Any]] = {}
+        median = Stats.of(reached).median if reached and len(reached) == len(hits) else None
+        settings.append(
+            ConvergenceSetting(strategy=strategy, lr=lr, steps_to_target=hits, median=median)
+        )
+    best: dict[str, ConvergenceSetting] = {}
     for s in settings:
-        fam = str(s["strategy"]).partition(":")[0]
-        if s["median"] is None:
+        if s.median is None:
             continue
-        if fam not in best or s["median"] < best[fam]["median"]:
-            best[fam] = s
-    return {"target": target, "settings": settings, "best": best}
+        held = best.get(s.family)
+        if held is None or held.median is None or s.median < held.median:
+            best[s.family] = s
+    return ConvergenceSummary(target=target, settings=settings, best=best)
 
 
-def markdown(summary: dict[str, Any], *, baseline: str) -> str:
+def markdown(summary: ConvergenceSummary, *, baseline: str) -> str:
     lines = [
-        f"Target test accuracy {summary['target']:.2f}; steps to reach it per seed, median.",
+        f"Target test accuracy {summary.target:.2f}; steps to reach it per seed, median.",
         "",
         "| strategy | lr | steps per seed | median |",
         "|---|---|---|---|",
     ]
-    for s in summary["settings"]:
-        hits = ", ".join("-" if h is None else str(h) for h in s["steps_to_target"])
-        med = "not reached" if s["median"] is None else f"{s['median']:g}"
-        lines.append(f"| {s['strategy']} | {s['lr']:g} | {hits} | {med} |")
-    best = summary["best"]
-    if baseline in best:
+    for s in summary.settings:
+        hits = ", ".join("-" if h is None else str(h) for h in s.steps_to_target)
+        med = "not reached" if s.median is None else f"{s.median:g}"
+        lines.append(f"| {s.strategy} | {s.lr:g} | {hits} | {med} |")
+    best = summary.best
+    base = best.get(baseline)
+    if base is not None and base.median:
         head = f"| best per strategy | lr | median steps | vs {baseline} |"
         lines += ["", head, "|---|---|---|---|"]
         for s in best.values():
-            ratio = s["median"] / best[baseline]["median"]
-            lines.append(f"| {s['strategy']} | {s['lr']:g} | {s['median']:g} | {ratio:.2f}x |")
+            assert s.median is not None  # only settings that reached the target are best
+            ratio = s.median / base.median
+            lines.append(f"| {s.strategy} | {s.lr:g} | {s.median:g} | {ratio:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
-def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+def plot(records: Sequence[ConvergenceRun], summary: ConvergenceSummary, path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for fam, best in summary["best"].items():
-        curves = [
-            r["curve"]
-            for r in records
-            if r["strategy"] == best["strategy"] and r["lr"] == best["lr"]
-        ]
+    for fam, best in summary.best.items():
+        curves = [r.curve for r in records if r.strategy == best.strategy and r.lr == best.lr]
         steps = [p["step"] for p in curves[0]]
         acc = torch.tensor([[p["test_accuracy"] for p in c] for c in curves])
         mean = acc.mean(0)
-        (line,) = ax.plot(steps, mean, label=f"{fam} (lr {best['lr']:g}), mean of {len(curves)}")
+        (line,) = ax.plot(steps, mean, label=f"{fam} (lr {best.lr:g}), mean of {len(curves)}")
         ax.fill_between(
             steps, acc.min(0).values, acc.max(0).values, alpha=0.2, color=line.get_color()
         )
-        ax.axvline(best["median"], color=line.get_color(), linestyle=":", linewidth=1)
-    ax.axhline(summary["target"], color="grey", linestyle="--", linewidth=1, label="target")
+        ax.axvline(best.median or 0.0, color=line.get_color(), linestyle=":", linewidth=1)
+    ax.axhline(summary.target, color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel("iteration")
     ax.set_ylabel("test accuracy")
-    ax.set_ylim(max(0.0, summary["target"] - 0.35), 1.0)
+    ax.set_ylim(max(0.0, summary.target - 0.35), 1.0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     save_figure(fig, path, dpi=120)
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = _parse_runs(args.run, seeds)
     torch.set_num_threads(1)
     _init_single_process_group()
-    records = []
+    records: list[ConvergenceRun] = []
     try:
         from tqdm import tqdm
 
@@ -203,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             hit = steps_to(curve, args.target)
             records.append(
-                {
-                    "strategy": run.strategy,
-                    "lr": run.lr,
-                    "seed": run.seed,
-                    "steps_to_target": hit,
-                    "curve": curve,
-                }
+                ConvergenceRun(
+                    strategy=run.strategy,
+                    lr=run.lr,
+                    seed=run.seed,
+                    steps_to_target=hit,
+                    curve=curve,
+                )
             )
     finally:
         dist.destroy_process_group()
@@ -217,15 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(summary, baseline=args.baseline)
     print(table, end="")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         command = " ".join(["python -m plait.bench.convergence", *sys.argv[1:]])
-        meta = stamp([{"workload": args.workload, "batch_size": batch}], command=command)[0]
-        (out / "results.json").write_text(
-            json.dumps({"meta": meta, "summary": summary, "runs": records}, indent=1)
+        meta = RunMeta(workload=args.workload, batch_size=batch).stamped(command=command)
+        report = ConvergenceReport(meta=meta, summary=summary, runs=records)
+        write_report(
+            Path(args.out),
+            report.to_dict(),
+            title="Convergence",
+            command=command,
+            body=table,
+            plot=lambda path: plot(records, summary, path),
+            indent=1,
         )
-        (out / "results.md").write_text(f"# Convergence\n\nCommand: `{meta['command']}`\n\n{table}")
-        plot(records, summary, out / "results.png")
     return 0
 
 

@@ -22,11 +22,11 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from plait._proc import keep_scratch, scratch_dir
+from plait.bench.records import FidelityRecord
 from plait.cluster import Cluster, NetworkSpec, launch
-from plait.records import stamp
+from plait.records import stamp, write_report
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
 
@@ -43,7 +43,7 @@ def run_fidelity(
     seed: int = 0,
     timeout_s: float = 3600.0,
     command: str = "",
-) -> list[dict[str, Any]]:
+) -> list[FidelityRecord]:
     """Train every (workload, strategy) and return one record each."""
     for w in workloads:
         get_workload(w)
@@ -52,7 +52,7 @@ def run_fidelity(
     if epochs is not None and epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     work = scratch_dir("plait-fidelity-")
-    records: list[dict[str, Any]] = []
+    records: list[FidelityRecord] = []
     with Cluster.create(nodes=nodes, network=NetworkSpec(bandwidth=bandwidth)) as cluster:
         for w in workloads:
             n_epochs = epochs or get_workload(w).epochs
@@ -80,35 +80,41 @@ def run_fidelity(
                 summary = json.loads(out.read_text())
                 final = summary["final"]
                 records.append(
-                    {
-                        "workload": w,
-                        "strategy": s,
-                        "epochs": n_epochs,
-                        "nodes": nodes,
-                        "data": summary["data"],
-                        "steps": summary["steps"],
-                        "batch_size": summary["batch_size"],
-                        "test_loss": final.get("test_loss"),
-                        "test_accuracy": final.get("test_accuracy"),
-                        "history": summary["history"],
-                    }
+                    FidelityRecord(
+                        workload=w,
+                        strategy=s,
+                        epochs=n_epochs,
+                        nodes=nodes,
+                        data=summary["data"],
+                        steps=summary["steps"],
+                        batch_size=summary["batch_size"],
+                        test_loss=final.get("test_loss"),
+                        test_accuracy=final.get("test_accuracy"),
+                        history=summary["history"],
+                    )
                 )
     return stamp(records, command=command)
 
 
-def markdown(records: Sequence[dict[str, Any]]) -> str:
-    """The table: final test metrics, and accuracy points against each workload's first row."""
+def markdown(records: Sequence[FidelityRecord]) -> str:
+    """The table: final test metrics, and accuracy points against each workload's first row
+    (a metric the workload does not report shows as "-")."""
     lines = [
         "| workload | data | epochs | strategy | test loss | test accuracy | vs first |",
         "|---|---|---|---|---|---|---|",
     ]
     first: dict[str, float] = {}
     for r in records:
-        acc = 100 * r["test_accuracy"]
-        ref = first.setdefault(r["workload"], acc)
+        loss = "-" if r.test_loss is None else f"{r.test_loss:.4f}"
+        if r.test_accuracy is None:
+            acc_text, delta = "-", "-"
+        else:
+            acc = 100 * r.test_accuracy
+            ref = first.setdefault(r.workload, acc)
+            acc_text, delta = f"{acc:.2f}%", f"{acc - ref:+.2f} pt"
         lines.append(
-            f"| {r['workload']} | {r['data']} | {r['epochs']} | {r['strategy']} | "
-            f"{r['test_loss']:.4f} | {acc:.2f}% | {acc - ref:+.2f} pt |"
+            f"| {r.workload} | {r.data} | {r.epochs} | {r.strategy} | "
+            f"{loss} | {acc_text} | {delta} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -141,11 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         command=command,
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(records, indent=2))
     table = markdown(records)
-    (out / "results.md").write_text(f"# Fidelity\n\nCommand: `{command}`\n\n{table}")
+    write_report(Path(args.out), records, title="Fidelity", command=command, body=table)
     print(table)
     return 0
 

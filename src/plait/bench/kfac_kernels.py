@@ -17,9 +17,7 @@ gets), median of `repeats`:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,10 +28,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from plait.bench.core import Stats
+from plait.bench.records import KernelRecord, KernelReport, RunMeta
 from plait.kfac import triangle
 from plait.kfac.factors import Method, SecondOrder, decompose, pack, precondition
 from plait.kfac.layers import KFACLayer, make_layer
-from plait.records import git_commit, machine
+from plait.records import write_report
 from plait.workloads import get_workload
 
 
@@ -44,7 +44,7 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return Stats.of(times).median
 
 
 def _layer_inputs(workload: str) -> list[tuple[KFACLayer, torch.Tensor]]:
@@ -76,7 +76,7 @@ def _spd(rows: torch.Tensor) -> torch.Tensor:
     return triangle.unpack(triangle.syrk(rows), rows.shape[-1], rows.shape[0]) / rows.shape[1]
 
 
-def _layer_record(layer: KFACLayer, x: torch.Tensor, repeats: int) -> dict[str, Any]:
+def _layer_record(layer: KFACLayer, x: torch.Tensor, repeats: int) -> KernelRecord:
     """Seconds of each kernel pair on one layer. The A factor comes from the layer's real
     input; G, whose values do not change what the kernels cost, from random rows."""
     rows = layer.a_rows(x)
@@ -102,24 +102,24 @@ def _layer_record(layer: KFACLayer, x: torch.Tensor, repeats: int) -> dict[str, 
 
     a_inv, g_inv = textbook_inverses()
     a_so, g_so = plait_decompositions()
-    return {
-        "layer": layer.name,
-        "rows": int(rows.shape[1]),
-        "a_dim": a_shape.dim,
-        "g_dim": g_shape.dim,
-        "groups": a_shape.groups,
-        "factor_dense_s": _median_s(
+    return KernelRecord(
+        layer=layer.name,
+        rows=int(rows.shape[1]),
+        a_dim=a_shape.dim,
+        g_dim=g_shape.dim,
+        groups=a_shape.groups,
+        factor_dense_s=_median_s(
             lambda: pack(torch.matmul(rows.transpose(1, 2), rows), a_shape), repeats
         ),
-        "factor_tiled_s": _median_s(lambda: triangle.syrk(rows), repeats),
-        "decompose_inverse_s": _median_s(textbook_inverses, repeats),
-        "decompose_cholesky_s": _median_s(plait_decompositions, repeats),
-        "precondition_inverse_s": _median_s(lambda: g_inv @ grad @ a_inv, repeats),
-        "precondition_solves_s": _median_s(lambda: precondition(grad, a_so, g_so), repeats),
-    }
+        factor_tiled_s=_median_s(lambda: triangle.syrk(rows), repeats),
+        decompose_inverse_s=_median_s(textbook_inverses, repeats),
+        decompose_cholesky_s=_median_s(plait_decompositions, repeats),
+        precondition_inverse_s=_median_s(lambda: g_inv @ grad @ a_inv, repeats),
+        precondition_solves_s=_median_s(lambda: precondition(grad, a_so, g_so), repeats),
+    )
 
 
-def measure(*, workload: str, repeats: int = 5, progress: bool = True) -> list[dict[str, Any]]:
+def measure(*, workload: str, repeats: int = 5, progress: bool = True) -> list[KernelRecord]:
     """One record per layer: seconds of each kernel pair (a progress bar over the layers)."""
     torch.set_num_threads(1)
     layers = _layer_inputs(workload)
@@ -134,11 +134,12 @@ _PAIRS = [
 ]
 
 
-def markdown(records: list[dict[str, Any]], *, workload: str) -> str:
-    out = [f"# K-FAC kernels on {workload}'s layers, one core\n"]
-    out.append("| kernel | textbook s | plait s | speed-up |\n|---|---|---|---|\n")
+def markdown(records: list[KernelRecord]) -> str:
+    """The totals over all layers per kernel pair, then the per-layer seconds."""
+    out = ["| kernel | textbook s | plait s | speed-up |\n|---|---|---|---|\n"]
     for title, old, new in _PAIRS:
-        a, b = sum(r[old] for r in records), sum(r[new] for r in records)
+        a = sum(getattr(r, old) for r in records)
+        b = sum(getattr(r, new) for r in records)
         out.append(f"| {title}, all layers | {a:.3f} | {b:.3f} | {a / b:.2f}x |\n")
     out.append("\nPer layer (seconds; rows x A dim, G dim):\n\n")
     out.append(
@@ -147,9 +148,9 @@ def markdown(records: list[dict[str, Any]], *, workload: str) -> str:
     )
     for r in records:
         out.append(
-            f"| {r['layer']} | {r['rows']} x {r['a_dim']}, {r['g_dim']}"
-            + (f" ({r['groups']} groups)" if r["groups"] > 1 else "")
-            + "".join(f" | {r[k]:.4f}" for _, o, n in _PAIRS for k in (o, n))
+            f"| {r.layer} | {r.rows} x {r.a_dim}, {r.g_dim}"
+            + (f" ({r.groups} groups)" if r.groups > 1 else "")
+            + "".join(f" | {getattr(r, k):.4f}" for _, o, n in _PAIRS for k in (o, n))
             + " |\n"
         )
     return "".join(out)
@@ -166,15 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     records = measure(workload=args.workload, repeats=args.repeats)
-    text = markdown(records, workload=args.workload)
-    text += f"\ncommit {git_commit()}, torch {torch.__version__}, 1 intra-op thread\n"
-    print(text, end="")
+    command = " ".join(
+        ["python -m plait.bench.kfac_kernels", *(sys.argv[1:] if argv is None else argv)]
+    )
+    meta = RunMeta(workload=args.workload).stamped(command=command)
+    text = markdown(records)
+    footer = f"\ncommit {meta.commit}, torch {meta.torch}, 1 intra-op thread\n"
+    print(text + footer, end="")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text(text)
-        meta = {"workload": args.workload, "commit": git_commit(), "machine": machine()}
-        (args.out / "results.json").write_text(
-            json.dumps({"meta": meta, "layers": records}, indent=1)
+        write_report(
+            args.out,
+            KernelReport(meta=meta, layers=records).to_dict(),
+            title=f"K-FAC kernels on {args.workload}'s layers, one core",
+            command=command,
+            body=text,
+            footer=footer,
+            indent=1,
         )
     return 0
 

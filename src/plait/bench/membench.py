@@ -11,7 +11,6 @@ peak of the second step, next to the memory model's prediction and the single-pr
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from plait import distributed as pdist
+from plait.bench.records import MemoryRecord
 from plait.parallel.adapters import adapter_for
 from plait.parallel.api import ParallelModel
 from plait.parallel.memory import (
@@ -31,6 +31,7 @@ from plait.parallel.memory import (
     model_state_bytes,
 )
 from plait.parallel.plan import Plan
+from plait.records import write_json, write_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def measure_plan(workload: str, plan: Plan, *, batch: int, steps: int = 2) -> di
     return {"model_state_bytes": state, "peak_bytes": peak, "resolved": model.plan.describe()}
 
 
-def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[dict[str, Any]]:
+def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[MemoryRecord]:
     """Measure every plan on the current process group; every rank returns the records."""
     from plait.workloads import get_workload
 
@@ -76,7 +77,7 @@ def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[di
     xs, ys = zip(*[data.train[i] for i in range(b)], strict=True)
     acts = measure_activations(model, torch.stack(list(xs)), torch.stack(list(ys)), wl.loss)
     unsharded = dims.params * 4 * (1 + 1 + 2)  # fp32 parameters, gradients, Adam's 2 states
-    records = []
+    records: list[MemoryRecord] = []
     for text in plans:
         plan = Plan.parse(text)
         mine = measure_plan(workload, plan, batch=b)
@@ -86,19 +87,19 @@ def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[di
         est = estimate_memory(resolved, dims=dims, acts=acts, global_batch=b * world)
         state_max = max(r["model_state_bytes"] for r in every)
         records.append(
-            {
-                "workload": workload,
-                "plan": resolved.describe(),
-                "world": world,
-                "global_batch": b * world,
-                "model_state_bytes": [r["model_state_bytes"] for r in every],
-                "peak_bytes": [r["peak_bytes"] for r in every],
-                "predicted_model_state_bytes": est.model_state,
-                "predicted_peak_bytes": est.total,
-                "unsharded_model_state_bytes": unsharded,
-                "model_state_fraction": state_max / unsharded,
-                "torch": torch.__version__,
-            }
+            MemoryRecord(
+                workload=workload,
+                plan=resolved.describe(),
+                world=world,
+                global_batch=b * world,
+                model_state_bytes=[r["model_state_bytes"] for r in every],
+                peak_bytes=[r["peak_bytes"] for r in every],
+                predicted_model_state_bytes=est.model_state,
+                predicted_peak_bytes=est.total,
+                unsharded_model_state_bytes=unsharded,
+                model_state_fraction=state_max / unsharded,
+                torch=torch.__version__,
+            )
         )
         if pdist.is_main():
             logger.info(
@@ -111,22 +112,34 @@ def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[di
     return records
 
 
-def markdown(records: list[dict[str, Any]]) -> str:
+def markdown(records: list[MemoryRecord]) -> str:
+    """Measured peak and model state per rank (the largest rank's) next to the predicted."""
     lines = [
         "| plan | peak / rank (max) | predicted peak | model state / rank (max) | predicted "
         "| model state / unsharded | x N |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        frac = r["model_state_fraction"]
+        frac = r.model_state_fraction
         lines.append(
-            f"| `{r['plan']}` | {format_bytes(max(r['peak_bytes']))} | "
-            f"{format_bytes(r['predicted_peak_bytes'])} | "
-            f"{format_bytes(max(r['model_state_bytes']))} | "
-            f"{format_bytes(r['predicted_model_state_bytes'])} | {frac:.3f} | "
-            f"{frac * r['world']:.2f} |"
+            f"| `{r.plan}` | {format_bytes(max(r.peak_bytes))} | "
+            f"{format_bytes(r.predicted_peak_bytes)} | "
+            f"{format_bytes(max(r.model_state_bytes))} | "
+            f"{format_bytes(r.predicted_model_state_bytes)} | {frac:.3f} | "
+            f"{frac * r.world:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def write(records: list[MemoryRecord], out: Path, *, command: str) -> dict[str, Path]:
+    """Write ``memory.json`` and ``memory.md`` into `out` (the names the scorecard and the
+    docs read; not ``results.*``, so they can sit beside a ``plait bench`` job's files)."""
+    return {
+        "json": write_json(records, out / "memory.json", indent=2),
+        "markdown": write_markdown(
+            f"# Memory per rank\n\n`{command}`\n\n{markdown(records)}", out / "memory.md"
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,12 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = [p.strip() for p in args.plans.split(";") if p.strip()]
         records = run(args.workload, plans, batch=args.batch_size)
         if pdist.is_main():
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "memory.json").write_text(json.dumps(records, indent=2))
             launch = f"plait run --nodes {pdist.world_size()} -m -- plait.bench.membench"
-            cmd = " ".join([launch, *(argv or sys.argv[1:])])
-            (out / "memory.md").write_text(f"# Memory per rank\n\n`{cmd}`\n\n{markdown(records)}")
+            write(records, Path(args.out), command=" ".join([launch, *(argv or sys.argv[1:])]))
     finally:
         pdist.shutdown()
     return 0

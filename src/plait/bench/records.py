@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Self
 
-from plait.records import ABSENT_IF_NONE, Record
+from plait.records import ABSENT_IF_NONE, PROVENANCE, Record
 
 
 @dataclass(kw_only=True)
@@ -146,3 +146,204 @@ class Comparison(Record):
         """A comparison from its JSON object (its modes included)."""
         modes = {k: ModeResult(**v) for k, v in data.get("modes", {}).items()}
         return super().from_dict({**data, "modes": modes})
+
+
+@dataclass(kw_only=True)
+class FidelityRecord(Record):
+    """One (workload, strategy) trained to the end by the fidelity suite: its final test
+    metrics and the per-epoch history ``plait train`` wrote."""
+
+    workload: str
+    strategy: str
+    epochs: int
+    nodes: int
+    data: str
+    steps: int
+    batch_size: int
+    test_loss: float | None
+    test_accuracy: float | None
+    history: list[dict[str, Any]]
+
+
+@dataclass(kw_only=True)
+class ConvergenceRun(Record):
+    """One training run of the convergence comparison and its evaluation curve."""
+
+    strategy: str
+    lr: float
+    seed: int
+    steps_to_target: int | None  # the first evaluated step at the target (None: never)
+    curve: list[dict[str, Any]]
+
+
+@dataclass(kw_only=True)
+class ConvergenceSetting(Record):
+    """One (strategy, learning rate): steps to the target per seed and their median (None
+    when any seed missed it, so a setting that sometimes fails never wins)."""
+
+    strategy: str
+    lr: float
+    steps_to_target: list[int | None]
+    median: float | None
+
+    @property
+    def family(self) -> str:
+        """The strategy's name without its options ("spd-kfac" of "spd-kfac:damping=0.1")."""
+        return self.strategy.partition(":")[0]
+
+
+@dataclass(kw_only=True)
+class ConvergenceSummary(Record):
+    """Every setting, and per strategy family the setting that reached the target first."""
+
+    target: float
+    settings: list[ConvergenceSetting]
+    best: dict[str, ConvergenceSetting]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """A summary from its JSON object (settings included)."""
+        return super().from_dict(
+            {
+                **data,
+                "settings": [ConvergenceSetting.from_dict(s) for s in data.get("settings", [])],
+                "best": {
+                    k: ConvergenceSetting.from_dict(v) for k, v in data.get("best", {}).items()
+                },
+            }
+        )
+
+
+@dataclass(kw_only=True)
+class RunMeta(Record):
+    """What a suite's runs share (the workload, a batch size) and their provenance."""
+
+    workload: str
+    batch_size: int | None = field(default=None, metadata=ABSENT_IF_NONE)
+
+
+@dataclass(kw_only=True)
+class ConvergenceReport(Record):
+    """The convergence suite's ``results.json``: meta, summary and every run."""
+
+    meta: RunMeta
+    summary: ConvergenceSummary
+    runs: list[ConvergenceRun]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """A report from its JSON object (its parts included)."""
+        return super().from_dict(
+            {
+                **data,
+                "meta": RunMeta.from_dict(data["meta"]),
+                "summary": ConvergenceSummary.from_dict(data["summary"]),
+                "runs": [ConvergenceRun.from_dict(r) for r in data.get("runs", [])],
+            }
+        )
+
+
+@dataclass(kw_only=True)
+class KernelRecord(Record):
+    """Seconds of each K-FAC kernel pair (textbook, plait) on one layer, medians."""
+
+    layer: str
+    rows: int
+    a_dim: int
+    g_dim: int
+    groups: int
+    factor_dense_s: float
+    factor_tiled_s: float
+    decompose_inverse_s: float
+    decompose_cholesky_s: float
+    precondition_inverse_s: float
+    precondition_solves_s: float
+
+
+@dataclass(kw_only=True)
+class KernelReport(Record):
+    """The kernel suite's ``results.json``: meta and one record per layer."""
+
+    meta: RunMeta
+    layers: list[KernelRecord]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """A report from its JSON object (its layers included)."""
+        return super().from_dict(
+            {
+                **data,
+                "meta": RunMeta.from_dict(data["meta"]),
+                "layers": [KernelRecord.from_dict(r) for r in data.get("layers", [])],
+            }
+        )
+
+
+@dataclass(kw_only=True)
+class MemoryRecord(Record):
+    """Per-rank memory of one plan (``memory.json``), measured and predicted, in bytes."""
+
+    workload: str
+    plan: str
+    world: int
+    global_batch: int
+    model_state_bytes: list[int]  # per rank
+    peak_bytes: list[int]  # per rank
+    predicted_model_state_bytes: float
+    predicted_peak_bytes: float
+    unsharded_model_state_bytes: int
+    model_state_fraction: float  # the largest rank's model state over the unsharded one
+
+
+@dataclass(kw_only=True)
+class ScoreRow(Record):
+    """The planner's choice at one (workload, network, memory budget) setting against the
+    measured-fastest plan that fits (``scorecard.json``)."""
+
+    workload: str
+    bandwidth: str
+    memory_budget: int | None
+    chosen: str
+    chosen_iter_s: float
+    chosen_pooled_iter_s: float  # median over every step measured of the chosen plan
+    fastest_fitting: str
+    fastest_iter_s: float
+    auto_ratio: float
+    ratio: float
+    is_fastest: bool
+    within_tolerance: bool
+    chosen_peak_bytes: int | None
+    fits_measured: bool | None
+    candidates_fitting: int
+    candidates: int
+
+
+@dataclass(kw_only=True)
+class TimelineRow(Record):
+    """Where one (strategy, phase)'s step goes: seconds per step, the step's wall time and
+    each category's busy time (the union of its spans), means over ranks and steps.
+
+    The JSON object is flat, ``{"strategy", "phase", "step", <category>: s, ...}``, the
+    categories named as the report's columns ("forward+backward", "gradient comm", ...).
+    """
+
+    strategy: str
+    phase: str
+    step: float
+    busy: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as its flat JSON object."""
+        out = super().to_dict()
+        return {**{k: v for k, v in out.items() if k != "busy"}, **self.busy}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        """A row from its flat JSON object: keys other than the fields are categories."""
+        own = {"strategy", "phase", "step", *PROVENANCE}
+        return super().from_dict(
+            {
+                **{k: v for k, v in data.items() if k in own},
+                "busy": {k: v for k, v in data.items() if k not in own},
+            }
+        )

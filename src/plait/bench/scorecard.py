@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from plait.bench.core import Stats
+from plait.bench.records import MemoryRecord, ScoreRow
 from plait.parallel.memory import format_bytes, parse_bytes
+from plait.records import write_json, write_markdown
 
 #: The choice counts as right within this factor of the fastest fitting plan.
 TOLERANCE = 1.10
@@ -40,9 +42,9 @@ def _budget(spec: str) -> int | None:
     return None
 
 
-def score(records: list[dict[str, Any]], peaks: dict[str, int]) -> list[dict[str, Any]]:
+def score(records: list[dict[str, Any]], peaks: dict[str, int]) -> list[ScoreRow]:
     """One row per automatic plan record (see the module docstring)."""
-    rows = []
+    rows: list[ScoreRow] = []
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["workload"], r["bandwidth"]), []).append(r)
@@ -60,32 +62,33 @@ def score(records: list[dict[str, Any]], peaks: dict[str, int]) -> list[dict[str
             peak = peaks.get(chosen)
             same = [r for r in explicit if _plan(r["strategy_desc"]) == chosen]
             steps = [t for r in [auto, *same] for t in r.get("iter_times_s", [r["iter_time_s"]])]
-            ratio = statistics.median(steps) / best["iter_time_s"]
+            pooled = Stats.of(steps).median
+            ratio = pooled / best["iter_time_s"]
             is_fastest = chosen == _plan(best["strategy_desc"])
             rows.append(
-                {
-                    "workload": workload,
-                    "bandwidth": bandwidth,
-                    "memory_budget": budget,
-                    "chosen": chosen,
-                    "chosen_iter_s": auto["iter_time_s"],
-                    "chosen_pooled_iter_s": statistics.median(steps),
-                    "fastest_fitting": _plan(best["strategy_desc"]),
-                    "fastest_iter_s": best["iter_time_s"],
-                    "auto_ratio": auto["iter_time_s"] / best["iter_time_s"],
-                    "ratio": ratio,
-                    "is_fastest": is_fastest,
-                    "within_tolerance": is_fastest or ratio <= TOLERANCE,
-                    "chosen_peak_bytes": peak,
-                    "fits_measured": None if peak is None else budget is None or peak <= budget,
-                    "candidates_fitting": len(fitting),
-                    "candidates": len(explicit),
-                }
+                ScoreRow(
+                    workload=workload,
+                    bandwidth=bandwidth,
+                    memory_budget=budget,
+                    chosen=chosen,
+                    chosen_iter_s=auto["iter_time_s"],
+                    chosen_pooled_iter_s=pooled,
+                    fastest_fitting=_plan(best["strategy_desc"]),
+                    fastest_iter_s=best["iter_time_s"],
+                    auto_ratio=auto["iter_time_s"] / best["iter_time_s"],
+                    ratio=ratio,
+                    is_fastest=is_fastest,
+                    within_tolerance=is_fastest or ratio <= TOLERANCE,
+                    chosen_peak_bytes=peak,
+                    fits_measured=None if peak is None else budget is None or peak <= budget,
+                    candidates_fitting=len(fitting),
+                    candidates=len(explicit),
+                )
             )
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[ScoreRow]) -> str:
     lines = [
         "| workload | network | memory budget | planner's choice | its s/step (auto run; all "
         "its runs) | fastest fitting plan (of) | its s/step | ratio (auto run; all) | right "
@@ -93,23 +96,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        budget = "none" if r["memory_budget"] is None else format_bytes(r["memory_budget"])
-        peak = r["chosen_peak_bytes"]
+        budget = "none" if r.memory_budget is None else format_bytes(r.memory_budget)
+        peak = r.chosen_peak_bytes
         fits = "not measured" if peak is None else format_bytes(peak)
-        if peak is not None and r["memory_budget"] is not None:
-            fits += " (fits)" if r["fits_measured"] else " (**over**)"
+        if peak is not None and r.memory_budget is not None:
+            fits += " (fits)" if r.fits_measured else " (**over**)"
         verdict = "no"
-        if r["within_tolerance"]:
-            verdict = "yes: the fastest" if r["is_fastest"] else "yes: within 10%"
+        if r.within_tolerance:
+            verdict = "yes: the fastest" if r.is_fastest else "yes: within 10%"
         lines.append(
-            f"| {r['workload']} | {r['bandwidth']} | {budget} | `{r['chosen']}` | "
-            f"{r['chosen_iter_s']:.3f}; {r['chosen_pooled_iter_s']:.3f} | "
-            f"`{r['fastest_fitting']}` ({r['candidates_fitting']}/{r['candidates']}) | "
-            f"{r['fastest_iter_s']:.3f} | {r['auto_ratio']:.2f}; {r['ratio']:.2f} | {verdict} | "
+            f"| {r.workload} | {r.bandwidth} | {budget} | `{r.chosen}` | "
+            f"{r.chosen_iter_s:.3f}; {r.chosen_pooled_iter_s:.3f} | "
+            f"`{r.fastest_fitting}` ({r.candidates_fitting}/{r.candidates}) | "
+            f"{r.fastest_iter_s:.3f} | {r.auto_ratio:.2f}; {r.ratio:.2f} | {verdict} | "
             f"{fits} |"
         )
-    hits = sum(r["within_tolerance"] for r in rows)
-    over = sum(r["fits_measured"] is False for r in rows)
+    hits = sum(r.within_tolerance for r in rows)
+    over = sum(r.fits_measured is False for r in rows)
     lines.append("")
     lines.append(
         f"The fastest fitting plan or within 10% of it in {hits} of {len(rows)} settings "
@@ -126,16 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     records = [r for path in args.results for r in json.loads(Path(path).read_text())]
     peaks = {
-        r["plan"]: max(r["peak_bytes"])
+        m.plan: max(m.peak_bytes)
         for path in args.memory
-        for r in json.loads(Path(path).read_text())
+        for m in map(MemoryRecord.from_dict, json.loads(Path(path).read_text()))
     }
     rows = score(records, peaks)
     text = markdown(rows)
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=2))
+        write_markdown(text, Path(args.out))
+        write_json(rows, Path(args.out).with_suffix(".json"), indent=2)
     return 0
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from plait.bench.core import Stats
+from plait.bench.records import TimelineRow
 from plait.trace import COMM, COMPUTE, FACTOR, INVERSE, PRECONDITION
 
 Event = dict[str, Any]
@@ -79,8 +80,12 @@ def _load(path: Path) -> dict[str, Any]:
     return out
 
 
-def breakdown(trace: str | Path | dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (strategy, phase): seconds per step of each `COLUMNS` category."""
+def breakdown(trace: str | Path | dict[str, Any]) -> list[TimelineRow]:
+    """One row per (strategy, phase): seconds per step of each `COLUMNS` category.
+
+    Means, not medians, over ranks and steps: the busy times of a category add up across
+    the step, and a mean keeps that sum (a median of each column would not).
+    """
     data = trace if isinstance(trace, dict) else _load(Path(trace))
     events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
     by_rank: dict[int, list[Event]] = defaultdict(list)
@@ -96,22 +101,27 @@ def breakdown(trace: str | Path | dict[str, Any]) -> list[dict[str, Any]]:
             row[col].append(_union(spans) / 1e6)
     rows = []
     for (strategy, phase), cols in acc.items():
+        step = cols.pop("step")
         rows.append(
-            {
-                "strategy": strategy,
-                "phase": phase,
-                **{k: statistics.mean(v) for k, v in cols.items()},
-            }
+            TimelineRow(
+                strategy=strategy,
+                phase=phase,
+                step=Stats.of(step).mean,
+                busy={k: Stats.of(v).mean for k, v in cols.items()},
+            )
         )
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
+def markdown(rows: Sequence[TimelineRow]) -> str:
+    """The breakdown as a table: one row per (strategy, phase), seconds per step."""
     names = ["step", *(c for c, _ in COLUMNS)]
     head = "| strategy | phase | " + " | ".join(f"{n} s" for n in names) + " |\n"
     head += "|---|---|" + "---|" * len(names) + "\n"
     body = "".join(
-        f"| {r['strategy']} | {r['phase']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |\n"
+        f"| {r.strategy} | {r.phase} | {r.step:.2f} | "
+        + " | ".join(f"{r.busy[c]:.2f}" for c, _ in COLUMNS)
+        + " |\n"
         for r in rows
     )
     return head + body
