@@ -38,13 +38,13 @@ class FusionItem:
     ready_s: float = 0.0
 
 
-Plan = list[list[int]]
+BucketPlan = list[list[int]]
 
 
 class FusionPlanner(Protocol):
     """Partition items (in ready order) into consecutive buckets of indices."""
 
-    def plan(self, items: Sequence[FusionItem]) -> Plan: ...
+    def plan(self, items: Sequence[FusionItem]) -> BucketPlan: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,7 @@ class ThresholdPlanner:
     threshold_bytes: int
     final_bytes: int = 0
 
-    def plan(self, items: Sequence[FusionItem]) -> Plan:
+    def plan(self, items: Sequence[FusionItem]) -> BucketPlan:
         n = len(items)
         split = n
         final = min(self.final_bytes, self.threshold_bytes)  # never above a regular bucket
@@ -72,7 +72,7 @@ class ThresholdPlanner:
                 split -= 1
                 size += items[split].nbytes
             split = min(split, n - 1)  # the final bucket holds at least one item
-        buckets: Plan = []
+        buckets: BucketPlan = []
         current: list[int] = []
         size = 0
         for i in range(split):
@@ -129,10 +129,10 @@ class ReadyTimePlanner:
         """The latency one more collective costs: its alpha term."""
         return latency_steps(self.op, self.world) * self.cost.alpha
 
-    def plan(self, items: Sequence[FusionItem]) -> Plan:
+    def plan(self, items: Sequence[FusionItem]) -> BucketPlan:
         if not items:
             return []
-        buckets: Plan = []
+        buckets: BucketPlan = []
         current, size = [0], items[0].nbytes
         channel_free = 0.0
         for i in range(1, len(items)):
@@ -147,7 +147,7 @@ class ReadyTimePlanner:
         buckets.append(current)
         return buckets
 
-    def makespan(self, items: Sequence[FusionItem], plan: Plan) -> float:
+    def makespan(self, items: Sequence[FusionItem], plan: BucketPlan) -> float:
         """Modelled time at which the last bucket of `plan` finishes."""
         free = 0.0
         for bucket in plan:
@@ -156,12 +156,12 @@ class ReadyTimePlanner:
         return free
 
 
-def bucket_sizes(items: Sequence[FusionItem], plan: Plan) -> list[int]:
+def bucket_sizes(items: Sequence[FusionItem], plan: BucketPlan) -> list[int]:
     """Bytes per planned bucket."""
     return [sum(items[i].nbytes for i in bucket) for bucket in plan]
 
 
-def check_plan(plan: Plan, n: int) -> None:
+def check_plan(plan: BucketPlan, n: int) -> None:
     """Assert a plan is a partition of range(n) into consecutive buckets (internal check)."""
     flat = [i for bucket in plan for i in bucket]
     assert flat == list(range(n)), f"fusion plan is not an ordered partition of {n} items"

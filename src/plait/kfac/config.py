@@ -19,7 +19,7 @@ from plait.kfac.intervals import AUTO
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
 
-Schedule = float | Callable[[int], float]
+ScheduledValue = float | Callable[[int], float]
 IntSchedule = int | Callable[[int], int]
 #: An interval: a constant, a callable of the step, or ``"auto"`` (`plait.kfac.intervals`).
 Interval = IntSchedule | str
@@ -81,10 +81,10 @@ class KFACConfig:
         replan_every: communicating steps between drift checks of the dynamic fusion plan.
     """
 
-    damping: Schedule = 1e-3
-    factor_decay: Schedule = 0.95
-    kl_clip: Schedule | None = 1e-3
-    lr: Schedule | None = None
+    damping: ScheduledValue = 1e-3
+    factor_decay: ScheduledValue = 0.95
+    kl_clip: ScheduledValue | None = 1e-3
+    lr: ScheduledValue | None = None
     factor_interval: Interval = 1
     inv_interval: Interval = 1
     method: Method | str = Method.INVERSE

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from plait.comm import ops
 from plait.comm.cost import AlphaBeta
-from plait.comm.fusion import FusionItem, Plan, ReadyTimePlanner, ThresholdPlanner, check_plan
+from plait.comm.fusion import BucketPlan, FusionItem, ReadyTimePlanner, ThresholdPlanner, check_plan
 from plait.kfac.factors import WireLayout
 from plait.kfac.layers import FactorKind, FactorShape
 
@@ -145,14 +145,14 @@ class _StepState:
 
 def bucket_plan(
     config: PipelineConfig, items: list[FusionItem], *, cost: AlphaBeta, world: int
-) -> Plan:
+) -> BucketPlan:
     """The buckets `config.comm` makes of the factors `items` (in ready order).
 
     A pure function of its arguments, so every rank that agrees on the ready times makes
     the same plan, and the decision can be checked for any link and world size by hand.
     """
     if config.comm is FactorComm.AFTER_BACKWARD:
-        plan: Plan = [[i] for i in range(len(items))]
+        plan: BucketPlan = [[i] for i in range(len(items))]
     elif config.comm is FactorComm.STATIC:
         plan = ThresholdPlanner(threshold_bytes=int(config.bucket_cap_mb * 1e6)).plan(items)
     else:
@@ -183,7 +183,7 @@ class FactorPipeline:
         self.running: torch.Tensor | None = None
         self._batch: torch.Tensor | None = None
         self.initialized: torch.Tensor | None = None  # bool per slot
-        self.plan: Plan = []
+        self.plan: BucketPlan = []
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[int] = []
         self.ready_est: list[float] = []

@@ -30,6 +30,7 @@ from torch import nn
 
 from plait import distributed as pdist
 from plait.specs import parse_spec
+from plait.workloads import Batch
 
 #: Modules that register strategies when imported (looked up on first use).
 _PLUGINS = (
@@ -38,7 +39,6 @@ _PLUGINS = (
     "plait.train.strategies.parallel",
 )
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from plait.parallel.plan import Plan, ZeroStage
-from plait.train.strategy import Batch, LossFn, OptimizerFactory, Strategy, register_strategy
+from plait.train.strategy import LossFn, OptimizerFactory, Strategy, register_strategy
+from plait.workloads import Batch
 
 if TYPE_CHECKING:  # the engines load when a plan is applied, not when strategies register
     from plait.parallel.api import ParallelModel
