@@ -331,8 +331,8 @@ def test_input_shared_by_all_models(factory: object, shape: tuple[int, ...]) -> 
 
 @pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool2d(1), nn.MaxPool2d(2)])
 def test_pooling_hands_back_channels_last_gradients(pool: nn.Module) -> None:
-    # fused convolutions run channels-last; a pooling backward that answers in the
-    # contiguous layout would put the element-wise backward before it on torch's slow
+    # fused convolutions can run channels-last (set_conv_layout); a pooling backward that
+    # answers in the contiguous layout would put the element-wise backward before it on torch's slow
     # mixed-layout loops, so the gradient must come back in the input's layout
     base = torch.randn(4, 3 * 2, 4, 4).contiguous(memory_format=torch.channels_last)
     base.requires_grad_()
