@@ -82,3 +82,18 @@ def train_both(
         for i, m in enumerate(stock):
             err = max(err, rel_err(out[i], m(x[i])))
     return err
+
+
+def images(c: int, h: int, w: int, n: int = 4) -> Callable[[int], torch.Tensor]:
+    """Input maker: B models' batches of n [c, h, w] images."""
+    return lambda b: torch.randn(b, n, c, h, w)
+
+
+def seq(c: int, length: int, n: int = 4) -> Callable[[int], torch.Tensor]:
+    """Input maker: B models' batches of n [c, length] sequences."""
+    return lambda b: torch.randn(b, n, c, length)
+
+
+def feats(*shape: int, n: int = 4) -> Callable[[int], torch.Tensor]:
+    """Input maker: B models' batches of n feature tensors of `shape`."""
+    return lambda b: torch.randn(b, n, *shape)
