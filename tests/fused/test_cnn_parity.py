@@ -37,6 +37,7 @@ STEPS = 10
 
 
 def _cnn(smooth: bool) -> nn.Module:
+    # one block per line (fmt: skip) so the two Conv+BatchNorm blocks read side by side
     act: type[nn.Module] = nn.GELU if smooth else nn.ReLU
     pool: type[nn.Module] = nn.AvgPool2d if smooth else nn.MaxPool2d
     return nn.Sequential(
