@@ -85,7 +85,9 @@ class _FusedConvBase(FusedModule):
         self._pad: Any = getattr(template, "_reversed_padding_repeated_twice", None)
         self.weight = weight
         self.bias = bias
-        self.channels_last = self.spatial == 2 and _layout["conv2d"] == "channels_last"
+        self.channels_last = (
+            self.spatial == 2 and not self.transposed and _layout["conv2d"] == "channels_last"
+        )
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module]) -> Self:
