@@ -51,8 +51,8 @@ def test_resnet18_gradients_as_accurate_as_stock() -> None:
     # A width-2 ResNet-18 on 4 samples normalises late stages over a handful of values,
     # so batch norm's backward cancels heavily: stock fp32 gradients themselves differ
     # from fp64 by ~1e-5, and by up to ~5x more when the same stock model runs
-    # channels-last (as fused convolutions do). The fair test compares the fp32 versions
-    # with fp64: the fused error stays within 2x of stock's in either layout.
+    # channels-last (as fused convolutions do when asked to). The fair test compares the
+    # fp32 versions with fp64: the fused error stays within 2x of stock's in either layout.
     stock = build(lambda: ResNet18(in_channels=1, width=2), 2)
     stock_nhwc = [m.to(memory_format=torch.channels_last)
                   for m in build(lambda: ResNet18(in_channels=1, width=2), 2)]  # fmt: skip

@@ -20,6 +20,7 @@ from plait.fused.lr_scheduler import (
     OneCycleLR,
     StepLR,
 )
+from plait.fused.ops.conv import CONV_LAYOUTS, set_conv_layout
 from plait.fused.optim import (
     FusedAdagrad,
     FusedAdam,
@@ -31,6 +32,7 @@ from plait.fused.optim import (
 from plait.fused.vmap import VmapArray
 
 __all__ = [
+    "CONV_LAYOUTS",
     "CosineAnnealingLR",
     "Fallback",
     "FusedAdagrad",
@@ -54,4 +56,5 @@ __all__ = [
     "fuse",
     "mse_loss",
     "per_model_loss",
+    "set_conv_layout",
 ]

@@ -1,0 +1,25 @@
+"""The errors `plait.fuse` raises: ValueErrors that name the culprit."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import plait
+from plait.fused import StructureMismatchError, UnsupportedLayerError
+
+
+def test_errors_are_value_errors() -> None:
+    # user errors in plait are ValueErrors; callers catching those also catch these
+    assert issubclass(UnsupportedLayerError, ValueError)
+    assert issubclass(StructureMismatchError, ValueError)
+
+
+def test_unsupported_layer_names_the_layer_and_the_fallback() -> None:
+    with pytest.raises(UnsupportedLayerError, match=r"'0' \(torch.nn.modules.rnn.GRU\)"):
+        plait.fuse(lambda: nn.Sequential(nn.GRU(3, 4)), n=2)
+
+
+def test_structure_mismatch_names_the_first_difference() -> None:
+    with pytest.raises(StructureMismatchError, match="1"):
+        plait.fuse([nn.Sequential(nn.Linear(2, 3)), nn.Sequential(nn.Linear(2, 4))])
