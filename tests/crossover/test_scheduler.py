@@ -35,7 +35,11 @@ def _cfg(workload: str, crossover: str | None, strategy: str = "ssgd") -> TrainC
 # plain, compressed (state carried across steps) and K-FAC (work after backward) strategies
 @pytest.mark.parametrize(
     ("a_job", "b_job"),
-    [(("mlp", "ssgd"), ("gpt", "ssgd")), (("mlp", "acpsgd:rank=2"), ("mlp", "spd-kfac"))],
+    [
+        (("mlp", "ssgd"), ("gpt", "ssgd")),
+        # stateful strategies on both sides: the longest pair, `make test-all` only
+        pytest.param(("mlp", "acpsgd:rank=2"), ("mlp", "spd-kfac"), marks=pytest.mark.slow),
+    ],
 )
 def test_colocated_jobs_train_exactly_as_alone(
     tmp_path: Path, a_job: tuple[str, str], b_job: tuple[str, str]

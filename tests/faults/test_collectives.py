@@ -20,7 +20,7 @@ from torch import nn
 
 from plait.testing import Outcome, run_faulty
 
-TIMEOUT_S = 10.0  # the gloo group's timeout in these tests
+TIMEOUT_S = 6.0  # the gloo group's timeout in these tests
 SLACK_S = 20.0  # two busy cores: imports, group set-up and the good steps before the fault
 GOOD_STEPS = 3
 STEPS = 40

@@ -59,6 +59,7 @@ def test_every_field_round_trips() -> None:
         progress=False,
         crossover="g",
         eval_every=4,
+        tensorboard="tb",
     )
     planned = TrainConfig(epochs=3, plan="auto", memory="2GiB")  # auto picks the strategy
     default = TrainConfig()

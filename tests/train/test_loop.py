@@ -22,7 +22,8 @@ def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, object]:
     return summary
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+# world 4 repeats world 2 with twice the processes: `make test-all` only
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mlp_learns_digits(world: int) -> None:
     cfg = TrainConfig(workload="mlp", epochs=6, batch_size=32 // world, progress=False)
     (summary, *_) = run_distributed(_train, cfg, world_size=world)

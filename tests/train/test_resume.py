@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from plait.cluster import Cluster, LaunchResult, launch
 
 
@@ -44,6 +46,10 @@ def _worker_pid(marker: str, rank: int) -> int | None:
     return None
 
 
+# The trainer's resume after a kill is also held by tests/faults/test_resume.py (every family,
+# in processes) and tests/faults/test_restart.py (torchrun's restart at 4 nodes): this full
+# emulated-cluster run is `make test-all` only.
+@pytest.mark.slow
 def test_resume_after_worker_is_killed(tmp_path: Path) -> None:
     ref_out, out = tmp_path / "ref.json", tmp_path / "run.json"
     ckpt = tmp_path / "ckpt"
