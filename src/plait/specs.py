@@ -7,6 +7,12 @@ options mean, and which options it accepts, is decided by the strategy that owns
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
 OptionValue = int | float | bool | str
 
 
@@ -56,3 +62,39 @@ def split_specs(text: str) -> list[str]:
         else:
             out.append(part)
     return out
+
+
+def import_target(target: str, *, what: str) -> object:
+    """Import the module a user names: a dotted module (``pkg.module``) or a Python file
+    (``path/to/file.py``), once per process.
+
+    Workload factories, sweep search spaces and every other ``target:attr`` the command line
+    takes go through here, so their errors read alike; `what` names the kind of thing in
+    them (``"workload factory"``).
+
+    Raises:
+        ValueError: the file does not exist or is not Python, or the import fails.
+    """
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{what} file {target!r} does not exist")
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+        name = f"plait_user_{digest}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{what} file {target!r} is not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise ValueError(f"{what} file {target!r} failed to import: {e!r}") from e
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as e:
+        raise ValueError(f"{what} module {target!r} does not import: {e}") from e

@@ -10,11 +10,7 @@ error naming the module, file or attribute.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
+from plait.specs import import_target
 from plait.workloads.base import Workload
 from plait.workloads.builtin import BUILTIN
 
@@ -36,29 +32,6 @@ def is_factory_spec(spec: str) -> bool:
     return ":" in spec
 
 
-def _load_module(target: str) -> object:
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ValueError(f"workload factory file {target!r} does not exist")
-        name = f"plait_user_workload_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"workload factory file {target!r} is not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise ValueError(f"workload factory file {target!r} failed to import: {e!r}") from e
-        return module
-    try:
-        return importlib.import_module(target)
-    except ImportError as e:
-        raise ValueError(f"workload factory module {target!r} does not import: {e}") from e
-
-
 def load_factory(spec: str) -> Workload:
     """Import ``module:factory`` or ``file.py:factory`` and call the factory."""
     target, _, attr = spec.rpartition(":")
@@ -66,7 +39,7 @@ def load_factory(spec: str) -> Workload:
         raise ValueError(
             f"workload {spec!r}: a factory is written pkg.module:factory or path/to/file.py:factory"
         )
-    module = _load_module(target)
+    module = import_target(target, what="workload factory")
     factory = getattr(module, attr, None)
     if factory is None:
         raise ValueError(f"workload factory {spec!r}: {target!r} has no attribute {attr!r}")

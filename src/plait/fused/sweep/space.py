@@ -26,10 +26,7 @@ Spec format (JSON or TOML), one entry per hyper-parameter::
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
-import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +34,8 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import optuna
+
+from plait.specs import import_target
 
 #: A search space: returns one trial's hyper-parameters, sampled through the trial.
 Space: TypeAlias = Callable[[optuna.Trial], Mapping[str, Any]]
@@ -184,28 +183,7 @@ def read_spec(path: str | Path) -> SpecSpace:
 
 
 def _module(target: str) -> object:
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ValueError(f"search-space file {target!r} does not exist")
-        name = f"plait_user_space_{abs(hash(str(path.resolve())))}"
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"search-space file {target!r} is not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            del sys.modules[name]
-            raise ValueError(f"search-space file {target!r} failed to import: {e!r}") from e
-        return module
-    try:
-        return importlib.import_module(target)
-    except ImportError as e:
-        raise ValueError(f"search-space module {target!r} does not import: {e}") from e
+    return import_target(target, what="search-space")
 
 
 def load_space(spec: str) -> Space:
