@@ -38,16 +38,8 @@ class WorkerError(RuntimeError):
     """A worker raised, died or timed out."""
 
 
-def _worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    env: Mapping[str, str],
-    timeout_s: float,
-    results: Any,
-) -> None:
+def _worker_env(rank: int, world_size: int, port: int, env: Mapping[str, str]) -> None:
+    """The environment torchrun would give rank `rank` of a one-host job, plus `env`."""
     os.environ.update(env)
     os.environ.update(
         {
@@ -59,6 +51,19 @@ def _worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
             "LOCAL_WORLD_SIZE": str(world_size),
         }
     )
+
+
+def _worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: Mapping[str, str],
+    timeout_s: float,
+    results: Any,
+) -> None:
+    _worker_env(rank, world_size, port, env)
     import torch
     import torch.distributed as dist
 
@@ -187,17 +192,7 @@ def _faulty_worker(  # noqa: PLR0917 - multiprocessing passes arguments position
     timeout_s: float,
     results: Any,
 ) -> None:
-    os.environ.update(env)
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-        }
-    )
+    _worker_env(rank, world_size, port, env)
     import torch
     import torch.distributed as dist
 
