@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from tests.examples import completed
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "ddp_acpsgd.py"
 
@@ -31,7 +33,7 @@ def _torchrun(snapshots: Path, epochs: int) -> str:
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert completed(done), done.stdout + done.stderr
     return done.stdout + done.stderr
 
 
