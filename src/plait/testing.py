@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing.context import SpawnProcess
 from typing import Any, Literal
 
 from plait.cluster.launch import free_port
@@ -88,6 +89,36 @@ def _worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
             pdist.shutdown()
 
 
+def _spawn(
+    target: Callable[..., None],
+    world_size: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    env: Mapping[str, str] | None,
+    timeout_s: float,
+) -> tuple[list[SpawnProcess], Any]:
+    """Start `world_size` spawned workers running `target` on one free port; return the
+    processes and the queue they report to."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    base_env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=target,
+            args=(r, world_size, port, fn, args, base_env, timeout_s, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
 def run_distributed(
     fn: Callable[..., Any],
     *args: Any,
@@ -101,22 +132,7 @@ def run_distributed(
         WorkerError: a worker raised (its traceback is included), exited without a
             result, or did not finish within `timeout_s`.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    base_env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, base_env, timeout_s, results),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results = _spawn(_worker, world_size, fn, args, env=env, timeout_s=timeout_s)
     out: dict[int, Any] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout_s + 60.0  # spawning takes a few seconds
@@ -247,22 +263,9 @@ def run_faulty(
     Returns:
         One `Outcome` per rank, in rank order.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    base_env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
-    procs = [
-        ctx.Process(
-            target=_faulty_worker,
-            args=(r, world_size, port, fn, args, base_env, collective_timeout_s, results),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results = _spawn(
+        _faulty_worker, world_size, fn, args, env=env, timeout_s=collective_timeout_s
+    )
     limit = 3 * collective_timeout_s + 30.0 if grace_s is None else grace_s
     deadline = time.monotonic() + limit
     reported: dict[int, Outcome] = {}
