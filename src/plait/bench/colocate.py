@@ -27,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -192,24 +193,36 @@ def _run_jobs(
     per_job = [steps] * len(jobs) if isinstance(steps, int) else steps
 
     stop = threading.Event()
+    # One event per launch, set when its thread is through (teardown included). Waiting on
+    # these rather than on Thread.join: on Python 3.11 a join that Ctrl-C interrupts marks
+    # the thread stopped while it still runs (CPython's bpo-45274 handling), and a later
+    # join would then return before that launch's teardown ended.
+    done = [threading.Event() for _ in jobs]
 
     def go(i: int, job: Job) -> None:
-        argv, module = job.argv(
-            steps=per_job[i], out=outs[i], group=gate, tmp=work, trace=traces[i] if traces else None
-        )
-        env = {"PLAIT_CROSSOVER_GROUP": gate} if gate else {}
-        results[i] = launch(
-            cluster,
-            argv,
-            module=module,
-            nproc_per_node=nproc_per_node,
-            threads=threads,
-            timeout_s=timeout_s,
-            env=env,
-            quiet=True,
-            log_dir=work / f"logs-{mode}-{i}",
-            stop=stop,
-        )
+        try:
+            argv, module = job.argv(
+                steps=per_job[i],
+                out=outs[i],
+                group=gate,
+                tmp=work,
+                trace=traces[i] if traces else None,
+            )
+            env = {"PLAIT_CROSSOVER_GROUP": gate} if gate else {}
+            results[i] = launch(
+                cluster,
+                argv,
+                module=module,
+                nproc_per_node=nproc_per_node,
+                threads=threads,
+                timeout_s=timeout_s,
+                env=env,
+                quiet=True,
+                log_dir=work / f"logs-{mode}-{i}",
+                stop=stop,
+            )
+        finally:
+            done[i].set()
 
     # daemon threads: a launch that does not stop in time never keeps the process alive
     threads_ = [
@@ -219,15 +232,16 @@ def _run_jobs(
     try:
         for t in threads_:
             t.start()
-        for t in threads_:
-            while t.is_alive():
-                t.join(timeout=0.2)  # short joins: Ctrl-C reaches the main thread
+        for ev in done:
+            while not ev.wait(timeout=0.2):  # short waits: Ctrl-C reaches the main thread
+                pass
     except BaseException:
         # Ctrl-C (or SIGTERM/SIGHUP): the launches' threads cannot see it; tell them,
         # and give them the time their teardown takes
         stop.set()
-        for t in threads_:
-            t.join(timeout=_STOP_WAIT_S)
+        end = time.monotonic() + _STOP_WAIT_S
+        for ev in done:
+            ev.wait(timeout=max(0.0, end - time.monotonic()))
         raise
     missing = [jobs[i].name for i in range(len(jobs)) if i not in results]
     if missing:
