@@ -3,6 +3,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,18 @@ def test_parse_entry_and_lr_map() -> None:
         parse_entry("ssgd@0")
     with pytest.raises(ValueError, match="given twice"):
         parse_lr_map(["ssgd=0.1", "ssgd=0.2"])
+
+
+def test_one_strategy_at_several_learning_rates_is_a_learning_rate_sweep() -> None:
+    lrs = [Entry(spec="ssgd", optimizer="sgd", lr=lr) for lr in (0.05, 0.1)]
+    spec = RaceSpec(
+        workload="mlp", entries=[*lrs, Entry(spec="ssgd", optimizer="adamw")], target=0.9
+    )
+    assert [e.label for e in spec.entries] == ["ssgd+sgd@0.05", "ssgd+sgd@0.1", "ssgd+adamw"]
+    again = RaceSpec(**json.loads(json.dumps(asdict(spec))))  # as the workers read it
+    assert [e.label for e in again.entries] == [e.label for e in spec.entries]
+    with pytest.raises(ValueError, match=r"given twice: ssgd\+sgd@0.1"):
+        RaceSpec(workload="mlp", entries=[lrs[1], lrs[1]], target=0.9)
 
 
 def test_spec_refuses_bad_races() -> None:

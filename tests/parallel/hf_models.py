@@ -10,13 +10,13 @@ VOCAB = 64
 SEQ = 16
 
 
-def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False) -> Any:
+def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False, layers: int = 2) -> Any:
     """GPT-2: Conv1D layers, fused q/k/v; untied so that pipelines may split it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(
-        n_layer=2,
+        n_layer=layers,
         n_head=heads,
         n_embd=width,
         vocab_size=VOCAB,
@@ -31,15 +31,16 @@ def gpt2(*, heads: int = 4, width: int = 32, tied: bool = False) -> Any:
     return GPT2LMHeadModel(cfg)
 
 
-def llama(*, heads: int = 4, width: int = 32) -> Any:
-    """Llama: separate q/k/v, grouped-query attention, gated MLP, rotary positions."""
+def llama(*, heads: int = 4, width: int = 32, layers: int = 2, kv_heads: int | None = None) -> Any:
+    """Llama: separate q/k/v, grouped-query attention (`kv_heads`, default half the
+    heads), gated MLP, rotary positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads // 2 if heads % 2 == 0 else heads,
+        num_key_value_heads=kv_heads or (heads // 2 if heads % 2 == 0 else heads),
         hidden_size=width,
         intermediate_size=2 * width,
         vocab_size=VOCAB,
@@ -67,7 +68,14 @@ def bert() -> Any:
     return BertForMaskedLM(cfg)
 
 
-HF_MODELS: dict[str, Any] = {"gpt2": gpt2, "llama": llama, "bert": bert}
+HF_MODELS: dict[str, Any] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "bert": bert,
+    # four blocks and as many key/value heads as heads: tp=4 and pp=4 divide them
+    "gpt2-4": lambda: gpt2(layers=4),
+    "llama-4": lambda: llama(layers=4, kv_heads=4),
+}
 
 
 def llama_workload() -> Any:

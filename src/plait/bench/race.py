@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,16 +72,21 @@ class Entry:
         optimizer: ``sgd`` (with momentum), ``adam``, ``adamw`` or ``muon``; None: the
             workload's default.
         lr: learning rate; None: the workload's default.
+        with_lr: name the entry with its learning rate (``ssgd+sgd@0.1``): set by
+            `RaceSpec` when one spec and optimizer race at several learning rates.
     """
 
     spec: str
     optimizer: str | None = None
     lr: float | None = None
+    with_lr: bool = False
 
     @property
     def label(self) -> str:
-        """``spec+optimizer`` (the name in tables, plots and the ``--lr`` map)."""
-        return self.spec if self.optimizer is None else f"{self.spec}+{self.optimizer}"
+        """``spec+optimizer`` (the name in tables, plots and the ``--lr`` map), and
+        ``@lr`` after it when `with_lr`."""
+        name = self.spec if self.optimizer is None else f"{self.spec}+{self.optimizer}"
+        return f"{name}@{self.lr:g}" if self.with_lr and self.lr is not None else name
 
 
 def parse_entry(
@@ -195,6 +200,14 @@ class RaceSpec:
         self.entries = [Entry(**e) if isinstance(e, dict) else e for e in self.entries]
         if not self.entries:
             raise ValueError("a race needs at least one entry, e.g. ssgd+sgd@0.1")
+        labels = [e.label for e in self.entries]
+        several = {x for x in labels if labels.count(x) > 1}
+        # one spec and optimizer at several learning rates: a learning-rate sweep, whose
+        # entries are named with their rates
+        self.entries = [
+            replace(e, with_lr=True) if e.label in several and e.lr is not None else e
+            for e in self.entries
+        ]
         labels = [e.label for e in self.entries]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
