@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ FACTOR_BYTES = 4 * 47_000_000
 def _costs_on(rate_bps: float, *, base_s: float = 6.0, inversion_s: float = 3.0) -> StepCosts:
     link = AlphaBeta.from_rate(rate_bps)
     comm = link.time(Collective.ALL_REDUCE, FACTOR_BYTES, 4)
-    return StepCosts(base_step_s=base_s, factor_comm_s=comm, inversion_s=inversion_s)
+    return StepCosts(base_step_s=base_s, factor_s=comm, inversion_s=inversion_s)
 
 
 def test_slow_link_gets_larger_intervals_than_fast() -> None:
@@ -45,7 +46,7 @@ def test_slow_link_gets_larger_intervals_than_fast() -> None:
 
 
 def test_free_costs_give_every_step_and_a_fixed_interval_is_kept() -> None:
-    assert choose_intervals(StepCosts(base_step_s=1.0, factor_comm_s=0, inversion_s=0)) == (
+    assert choose_intervals(StepCosts(base_step_s=1.0, factor_s=0, inversion_s=0)) == (
         Intervals(1, 1)
     )
     got = choose_intervals(_costs_on(1e9), factor=4)
@@ -57,7 +58,7 @@ def test_free_costs_give_every_step_and_a_fixed_interval_is_kept() -> None:
 def test_bounds_hold_and_an_unmeetable_budget_takes_the_largest(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    hopeless = StepCosts(base_step_s=0.01, factor_comm_s=50.0, inversion_s=80.0)
+    hopeless = StepCosts(base_step_s=0.01, factor_s=50.0, inversion_s=80.0)
     with caplog.at_level(logging.WARNING, logger="plait.kfac.intervals"):
         assert choose_intervals(hopeless, max_interval=40) == Intervals(40, 40)
     assert "may lose to its base optimizer" in caplog.text
@@ -76,17 +77,34 @@ def test_identical_inputs_decide_identically() -> None:
 
 def test_drift_by_more_than_the_factor_triggers_a_new_decision() -> None:
     planner = IntervalPlanner(drift=2.0, window=3)
-    assert planner.drifted(1.0)  # nothing decided yet
-    planner.decide(_costs_on(1e9, base_s=4.0))
+    decided = StepCosts(base_step_s=4.0, factor_s=1.0, inversion_s=2.0)
+    assert planner.drifted(decided)  # nothing decided yet
+    planner.decide(decided)
     for s in (3.0, 5.0, 7.9):
         planner.observe(s)
     assert planner.window_full() and planner.median() == 5.0
-    assert not planner.drifted(7.9) and not planner.drifted(2.1)
-    assert planner.drifted(8.1) and planner.drifted(1.9)
+
+    def base(b: float) -> StepCosts:
+        return StepCosts(base_step_s=b, factor_s=1.0, inversion_s=2.0)
+
+    assert not planner.drifted(base(7.9)) and not planner.drifted(base(2.1))
+    assert planner.drifted(base(8.1)) and planner.drifted(base(1.9))
+    # any part drifts: inversions four times dearer
+    assert planner.drifted(StepCosts(base_step_s=4.0, factor_s=1.0, inversion_s=8.0))
     planner.observe(100.0)  # the window keeps the latest three
     assert planner.median() == 7.9
     with pytest.raises(ValueError, match="drift"):
         IntervalPlanner(drift=1.0)
+
+
+def test_measured_costs_replace_priced_ones_part_by_part() -> None:
+    planner = IntervalPlanner(window=3)
+    priced = StepCosts(base_step_s=1.0, factor_s=0.5, inversion_s=1e-4)
+    assert planner.costs(priced) == priced  # nothing measured yet
+    planner.observe(2.0, factor_s=0.3)
+    planner.observe(4.0, inversion_s=0.9)  # an inversion step without a factor update
+    planner.observe(3.0, factor_s=0.1, inversion_s=0.7)
+    assert planner.costs(priced) == StepCosts(base_step_s=3.0, factor_s=0.2, inversion_s=0.8)
 
 
 def test_config_accepts_auto_only_for_the_intervals() -> None:
@@ -112,21 +130,38 @@ def _train(kfac: KFAC, model: nn.Module, steps: int) -> None:
         opt.step()
 
 
-def test_kfac_decides_after_the_first_step_from_its_costs() -> None:
-    """Given costs on one process: dear inversions stretch the interval to its bound,
-    free ones keep every step; the first step always inverts."""
+def test_kfac_decides_after_the_first_step_from_measured_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Priced as free, inversions that take 100 ms each stretch the interval to its bound;
+    a 50 ms forward makes the same inversions cheap enough for every step. The costs given
+    (free inversions) are what the first decision would use without measuring."""
+    import time
+
+    from plait.kfac import preconditioner
+
     torch.manual_seed(0)
-    dear = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1.0, flop_s=1e-12)
-    cheap = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1e-30, flop_s=1e-30)
+    free = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1e-30, flop_s=1e-30)
     cfg = KFACConfig(inv_interval="auto", auto_max_interval=50, probe=False)
-    for costs, expect in ((dear, Intervals(1, 50)), (cheap, Intervals(1, 1))):
-        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-        kfac = KFAC(model, cfg, costs=costs)
-        _train(kfac, model, 4)
-        assert kfac.intervals == expect
-        assert kfac.at("inv_interval", 4) == expect.inv
-        assert kfac.stats.inversions == 4 * (4 if expect.inv == 1 else 1)
-        assert kfac.state_dict()["intervals"] == [expect.factor, expect.inv]
+    decompose = preconditioner.decompose
+
+    def slow_decompose(*args: object, **kw: object) -> object:
+        time.sleep(0.1)
+        return decompose(*args, **kw)  # type: ignore[arg-type]
+
+    for slow_inverse, slow_forward, expect in ((True, 0.0, 50), (False, 0.05, 1)):
+        with monkeypatch.context() as m:
+            if slow_inverse:
+                m.setattr(preconditioner, "decompose", slow_decompose)
+            model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+            model[1].register_forward_hook(lambda *_, s=slow_forward: time.sleep(s))
+            kfac = KFAC(model, cfg, costs=free)
+            _train(kfac, model, 4)
+        assert kfac.intervals == Intervals(1, expect)
+        assert kfac.at("inv_interval", 4) == expect
+        # the first three steps invert (FIRST_DECISION_STEPS), then every `expect`
+        assert kfac.stats.inversions == 4 * (4 if expect == 1 else 3)
+        assert kfac.state_dict()["intervals"] == [1, expect]
         kfac.remove()
 
 
@@ -137,13 +172,17 @@ def test_kfac_decides_again_when_the_base_step_drifts() -> None:
     cfg = KFACConfig(inv_interval="auto", auto_window=2, probe=False)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     kfac = KFAC(model, cfg, costs=costs)
-    _train(kfac, model, 1)
+    _train(kfac, model, 3)
     planner = kfac._planner
     assert planner is not None and planner.decided_on is not None
     measured = planner.decided_on.base_step_s
     assert measured > 0
     # pretend the decision was made on a step 1000x slower: the next window drifts
-    planner.decided_on = StepCosts(base_step_s=1e3 * measured + 1, factor_comm_s=0, inversion_s=0)
+    planner.decided_on = StepCosts(
+        base_step_s=1e3 * measured + 1,
+        factor_s=planner.decided_on.factor_s,
+        inversion_s=planner.decided_on.inversion_s,
+    )
     _train(kfac, model, 2)
     assert planner.decided_on.base_step_s < 1e3 * measured
     kfac.remove()
@@ -153,13 +192,22 @@ def _decide_on_two_ranks(rank: int, world: int) -> tuple[Intervals, float]:
     import time
 
     torch.manual_seed(0)
-    slow = KFACCosts(link=AlphaBeta.from_rate(1e6), inverse_s_per_n3=1e-7, flop_s=1e-12)
+    costs = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1e-7, flop_s=1e-12)
     cfg = KFACConfig(factor_interval="auto", inv_interval="auto", probe=False)
     model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
-    kfac = KFAC(model, cfg, costs=slow)
-    # rank 1's forward is slower: the ranks measure different base steps
+    kfac = KFAC(model, cfg, costs=costs)
+    # rank 1's forward is slower, rank 0's factor computations are: the ranks measure
+    # different base steps and factor updates
     model[1].register_forward_hook(lambda *_: time.sleep(0.05 * rank))
-    _train(kfac, model, 2)
+    for layer in kfac.layers.values():
+        a_sum = layer.a_sum
+
+        def slow_a_sum(*args: Any, _a_sum: Any = a_sum, **kw: Any) -> Any:
+            time.sleep(0.03 * (1 - rank))
+            return _a_sum(*args, **kw)
+
+        layer.a_sum = slow_a_sum  # type: ignore[method-assign]
+    _train(kfac, model, 3)
     assert kfac._planner is not None and kfac._planner.decided_on is not None
     return kfac.intervals, kfac._planner.decided_on.base_step_s
 
@@ -171,4 +219,5 @@ def test_ranks_that_measure_differently_decide_alike() -> None:
     assert got[0] == got[1]
     intervals, base = got[0]
     assert base >= 0.05  # the slowest rank's step was agreed on
-    assert intervals.factor > 1  # a 1 Mbit/s link makes the factor all-reduce dear
+    # rank 0's 60 ms factor update, against the 12.5 ms budget of rank 1's 50 ms step
+    assert intervals.factor > 1

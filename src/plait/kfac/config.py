@@ -49,15 +49,15 @@ class KFACConfig:
         lr: learning rate used by KL clipping (None: the attached optimizer's).
         factor_interval: steps between factor updates (>= 1), or ``"auto"``.
         inv_interval: steps between inversions (>= 1), or ``"auto"``: chosen from the
-            measured base step and the priced factor all-reduce and inversions, as the
-            smallest intervals whose amortised overhead stays within `auto_overhead` of the
-            base step (`plait.kfac.intervals`), the same on every rank, and decided again
-            when the base step drifts.
+            measured base step, factor update and inversion round, as the smallest
+            intervals whose amortised overhead stays within `auto_overhead` of the base
+            step (`plait.kfac.intervals`), the same on every rank, and decided again when
+            a measured cost drifts.
         auto_overhead: ``"auto"`` intervals: the overhead budget, a fraction of the base
             step (> 0).
         auto_max_interval: ``"auto"`` intervals: the largest interval chosen (>= 1).
-        auto_drift: ``"auto"`` intervals: decide again when the median base step of a
-            window moves by more than this factor from the one decided on (> 1).
+        auto_drift: ``"auto"`` intervals: decide again when a windowed median cost
+            moves by more than this factor from the one decided on (> 1).
         auto_window: ``"auto"`` intervals: steps per drift check (>= 1).
         method: ``inverse`` (Cholesky) or ``eigen``.
         inverse_form: how the inverse method holds a factor: ``cholesky`` (triangular

@@ -1,9 +1,13 @@
 """Choosing K-FAC's factor and inversion intervals from measured costs (``"auto"``).
 
-K-FAC's extra work per step is the factor all-reduce (every `f` steps) and the inversions
-(every `i` steps). Amortised over the steps that reuse them, the overhead per step is
+K-FAC's extra work per step is the factor update (computing the factors in the layer hooks
+and their all-reduce, every `f` steps) and the inversions (every `i` steps). Amortised over
+the steps that reuse them, the overhead per step is
 
-    overhead(f, i) = factor_comm_s / f + inversion_s / i
+    overhead(f, i) = factor_s / f + inversion_s / i
+
+The three costs are measured on the live run (`plait.kfac.KFAC` times each part of its
+steps; `IntervalPlanner` keeps their medians), the same on every rank once agreed.
 
 The rule: choose the smallest intervals whose amortised overhead stays within a fraction
 `rho` (default 0.25) of the base step (the step without K-FAC's communication and
@@ -24,9 +28,9 @@ K-FAC can be) and a warning says so.
 
 Everything here is a pure function of its inputs, so every rank that feeds in the same
 numbers (costs that are identical everywhere, a base step agreed over the group) decides
-the same intervals. `IntervalPlanner` adds the drift check: it keeps the base steps it is
-shown and asks for a new decision when their median over a window moves by more than a
-factor `drift` (default 2) from the base step of the last decision.
+the same intervals. `IntervalPlanner` adds the drift check: it keeps the costs it is shown
+and asks for a new decision when the median of any of them over a window moves by more than
+a factor `drift` (default 2) from the one of the last decision.
 """
 
 from __future__ import annotations
@@ -40,24 +44,29 @@ logger = logging.getLogger(__name__)
 #: The value of `KFACConfig.factor_interval` / `inv_interval` asking for this rule.
 AUTO = "auto"
 
+#: Steps at intervals (1, 1) before the first decision, which takes the medians of their
+#: measurements: step 0's inversions pay one-time costs (on a 6-8-3 MLP, several times a
+#: later round's), and deciding on step 0 alone chose inv=2 where later rounds give 1.
+FIRST_DECISION_STEPS = 3
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepCosts:
     """The seconds the rule weighs, per occurrence.
 
     Attributes:
-        base_step_s: one training step without K-FAC's factor communication and inversions.
-        factor_comm_s: one all-reduce of every factor (alpha-beta priced).
-        inversion_s: one round of inversions: the placement's makespan plus the broadcast
-            of their results.
+        base_step_s: one training step without K-FAC's factor update and inversions (its
+            forward, backward and preconditioning).
+        factor_s: one factor update: computing every factor and all-reducing them.
+        inversion_s: one round of inversions, with the broadcasts of their results.
     """
 
     base_step_s: float
-    factor_comm_s: float
+    factor_s: float
     inversion_s: float
 
     def __post_init__(self) -> None:
-        for name in ("base_step_s", "factor_comm_s", "inversion_s"):
+        for name in ("base_step_s", "factor_s", "inversion_s"):
             v = getattr(self, name)
             if not v >= 0:
                 raise ValueError(f"{name} must be >= 0, got {v!r}")
@@ -73,7 +82,7 @@ class Intervals:
 
 def overhead_s(costs: StepCosts, factor: int, inv: int) -> float:
     """Amortised seconds per step K-FAC adds at these intervals."""
-    return costs.factor_comm_s / factor + costs.inversion_s / inv
+    return costs.factor_s / factor + costs.inversion_s / inv
 
 
 def choose_intervals(
@@ -134,9 +143,9 @@ class IntervalPlanner:
     Attributes:
         rho: overhead budget (fraction of the base step).
         max_interval: upper bound of both intervals.
-        drift: a new decision is due when the windowed median base step differs from the
-            one decided on by more than this factor, either way (> 1).
-        window: base steps per median.
+        drift: a new decision is due when a windowed median cost differs from the one
+            decided on by more than this factor, either way (> 1).
+        window: measurements per median.
     """
 
     rho: float = 0.25
@@ -146,6 +155,8 @@ class IntervalPlanner:
     decided: Intervals | None = None
     decided_on: StepCosts | None = None
     _seen: list[float] = field(default_factory=list)
+    _factor: list[float] = field(default_factory=list)
+    _inversion: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.drift > 1:
@@ -163,17 +174,40 @@ class IntervalPlanner:
         self.decided_on = costs
         self._seen.clear()
         logger.info(
-            "K-FAC intervals: factor=%d, inv=%d (base step %.3g s, factor all-reduce %.3g s, "
+            "K-FAC intervals: factor=%d, inv=%d (base step %.3g s, factor update %.3g s, "
             "inversions %.3g s, budget %.0f%%)",
-            self.decided.factor, self.decided.inv, costs.base_step_s, costs.factor_comm_s,
+            self.decided.factor, self.decided.inv, costs.base_step_s, costs.factor_s,
             costs.inversion_s, 100 * self.rho,
         )  # fmt: skip
         return self.decided
 
-    def observe(self, base_step_s: float) -> None:
-        """Record one measured base step (the window keeps the latest `window`)."""
-        self._seen.append(base_step_s)
-        del self._seen[: -self.window]
+    def observe(
+        self,
+        base_step_s: float,
+        *,
+        factor_s: float | None = None,
+        inversion_s: float | None = None,
+    ) -> None:
+        """Record one step's measured parts (each window keeps its latest `window`): the
+        base step always, the factor update and the inversions on the steps that had them."""
+        for seen, value in (
+            (self._seen, base_step_s),
+            (self._factor, factor_s),
+            (self._inversion, inversion_s),
+        ):
+            if value is not None:
+                seen.append(value)
+                del seen[: -self.window]
+
+    def costs(self, priced: StepCosts) -> StepCosts:
+        """The median measured costs; a part not measured yet takes its `priced` value."""
+        return StepCosts(
+            base_step_s=statistics.median(self._seen) if self._seen else priced.base_step_s,
+            factor_s=statistics.median(self._factor) if self._factor else priced.factor_s,
+            inversion_s=(
+                statistics.median(self._inversion) if self._inversion else priced.inversion_s
+            ),
+        )
 
     def window_full(self) -> bool:
         return len(self._seen) >= self.window
@@ -182,12 +216,16 @@ class IntervalPlanner:
         """The median base step of the window (None while it is empty)."""
         return statistics.median(self._seen) if self._seen else None
 
-    def drifted(self, base_step_s: float) -> bool:
-        """Whether `base_step_s` is more than `drift` times off the decided-on base step."""
+    def drifted(self, costs: StepCosts) -> bool:
+        """Whether any of `costs` is more than `drift` times off the decided-on one."""
         if self.decided_on is None:
             return True
-        ref = self.decided_on.base_step_s
-        if ref <= 0 or base_step_s <= 0:
-            return ref != base_step_s
-        ratio = base_step_s / ref
-        return ratio > self.drift or ratio < 1 / self.drift
+        for name in ("base_step_s", "factor_s", "inversion_s"):
+            ref, now = getattr(self.decided_on, name), getattr(costs, name)
+            if ref <= 0 or now <= 0:
+                if ref != now:
+                    return True
+                continue
+            if not 1 / self.drift <= now / ref <= self.drift:
+                return True
+        return False

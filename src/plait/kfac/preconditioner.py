@@ -47,7 +47,13 @@ from plait.kfac.factors import (
     precondition,
     second_order_numel,
 )
-from plait.kfac.intervals import AUTO, IntervalPlanner, Intervals, StepCosts
+from plait.kfac.intervals import (
+    AUTO,
+    FIRST_DECISION_STEPS,
+    IntervalPlanner,
+    Intervals,
+    StepCosts,
+)
 from plait.kfac.layers import (
     Conv2dLayer,
     EmbeddingLayer,
@@ -267,7 +273,7 @@ class KFAC:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
         # "auto" intervals: the planner, the intervals in force (1, 1 until the first
-        # decision, which the end of the first step makes), when this step's forward began
+        # decision, made after FIRST_DECISION_STEPS steps), when this step's forward began
         self._planner: IntervalPlanner | None = None
         if self.cfg.auto_intervals:
             self._planner = IntervalPlanner(
@@ -277,6 +283,10 @@ class KFAC:
         self.intervals = Intervals(1, 1)
         self._since_decision = 0
         self._forward_began: float | None = None
+        # this step's measured seconds: factor computation in the hooks, inversions (with
+        # the waits for their broadcasts)
+        self._hook_s = 0.0
+        self._inv_s = 0.0
         self.attach()
 
     # ------------------------------------------------------------------ set-up
@@ -433,9 +443,11 @@ class KFAC:
             return
         if not self._accumulating and not self.pipeline.in_step:
             self._begin_pipeline_step()
+        t0 = time.perf_counter()
         with span(f"A {layer.name}", FACTOR):
             total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed)
         self._add(layer, FactorKind.A, total, rows)
+        self._hook_s += time.perf_counter() - t0
         if isinstance(output, torch.Tensor) and output.requires_grad:
             batch = batch_size(layer, x)
             output.register_hook(functools.partial(self._on_grad, layer, batch))
@@ -458,9 +470,11 @@ class KFAC:
         return self._shapes.get(layer.name, ())
 
     def _on_grad(self, layer: KFACLayer, batch: int, grad: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         with torch.no_grad(), span(f"G {layer.name}", FACTOR):
             total, rows = layer.g_sum(grad.detach(), batch, packed=self.pipeline.layout.packed)
             self._add(layer, FactorKind.G, total, rows)
+        self._hook_s += time.perf_counter() - t0
 
     def _begin_pipeline_step(self) -> None:
         lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
@@ -506,8 +520,10 @@ class KFAC:
         """Precondition the gradients in place; call after backward, before optimizer.step()."""
         t = self.steps
         began, self._forward_began = self._forward_began, None
-        base_s = None if began is None else time.perf_counter() - began
+        entered = time.perf_counter()
         inv_step = self._is_inv_step(t)
+        factor_step = self._is_factor_step(t)
+        self._inv_s = 0.0
         self._finalize_all()
         lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
         if (lazy and inv_step and self.world > 1 and self.pipeline.discovered
@@ -528,39 +544,51 @@ class KFAC:
         elif inv_step:
             self._ensure_assignment()
             self._invert(self.pipeline.slots, t)
+        communicated_s = time.perf_counter() - entered - self._inv_s
         self._precondition(t)
         self.steps += 1
         self.stats.steps += 1
         self._micro = 0
+        hook_s, self._hook_s = self._hook_s, 0.0
+        if self._planner is not None and began is not None:
+            # the step split into what every step pays and K-FAC's two amortisable parts
+            factor_s = hook_s + communicated_s if factor_step else None
+            inv_s = self._inv_s if inv_step else None
+            total_s = time.perf_counter() - began
+            base_s = total_s - (factor_s or 0.0) - (inv_s or 0.0)
+            self._planner.observe(base_s, factor_s=factor_s, inversion_s=inv_s)
         if self._planner is not None:
-            self._plan_intervals(self._planner, base_s)
+            self._plan_intervals(self._planner)
 
     # ------------------------------------------------------------------ "auto" intervals
-    def _plan_intervals(self, planner: IntervalPlanner, base_s: float | None) -> None:
-        """Decide the intervals after the first step, and again when the base step drifts.
+    def _plan_intervals(self, planner: IntervalPlanner) -> None:
+        """Decide the intervals after the first steps, and again when the costs drift.
 
-        The base step is the time from the first hooked forward of a step to `step` (the
-        forward and backward passes as K-FAC sees them). It differs by rank, so each rank's
-        median is agreed over the group (the largest: the slowest rank sets the pace);
-        the factor all-reduce and inversions are priced from `self.costs`, which every rank
-        holds alike. The agreement is a collective at a step count every rank reaches
-        together (the first step with an assignment, then every `auto_window` steps).
+        Each step is timed from its first hooked forward to the end of `step` and split
+        into a factor update (the factor computations in the hooks and the wait for their
+        all-reduce, on factor steps), an inversion round (the decompositions and the waits
+        for their broadcasts, on inversion steps) and the base step (the rest: forward,
+        backward, preconditioning). Measured, not priced: on small layers a decomposition's
+        fixed cost is hundreds of times what an n^3 model says (digits CNN: 12 ms measured,
+        0.09 ms priced), and priced costs then keep K-FAC inverting every step. Until a
+        part has been measured, its price from `self.costs` stands in. The medians differ by
+        rank, so they are agreed over the group (the largest: the slowest rank sets the
+        pace), at step counts every rank reaches together (after `FIRST_DECISION_STEPS`,
+        then every `auto_window` steps).
         """
-        if base_s is not None:
-            planner.observe(base_s)
-        if self.assignment is None:
+        if self.assignment is None or self.steps < FIRST_DECISION_STEPS:
             return
         if planner.decided is not None:
             self._since_decision += 1
             if self._since_decision < planner.window:
                 return
             self._since_decision = 0
-        base = self._agree_max(planner.median() or 0.0)
-        if planner.decided is not None and (base <= 0 or not planner.drifted(base)):
+        priced = self.step_costs(planner.median() or 0.0)
+        costs = self._agree_max(planner.costs(priced))
+        if planner.decided is not None and (costs.base_step_s <= 0 or not planner.drifted(costs)):
             return
         if planner.decided is not None:
-            logger.info("K-FAC base step drifted to %.3g s: deciding the intervals again", base)
-        costs = self.step_costs(base)
+            logger.info("K-FAC's measured costs drifted: deciding the intervals again")
         # the config allows "auto" beside a constant only (never beside a callable)
         fixed_f, fixed_i = self.cfg.factor_interval, self.cfg.inv_interval
         self.intervals = planner.decide(
@@ -570,18 +598,19 @@ class KFAC:
         )
         self._since_decision = 0
 
-    def _agree_max(self, value: float) -> float:
+    def _agree_max(self, costs: StepCosts) -> StepCosts:
         if self.world <= 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
+            return costs
+        t = torch.tensor([costs.base_step_s, costs.factor_s, costs.inversion_s],
+                         dtype=torch.float64)  # fmt: skip
         ops.all_reduce(t, group=self.group, op=dist.ReduceOp.MAX, name="kfac intervals",
                        async_op=False)  # fmt: skip
-        return float(t[0])
+        return StepCosts(base_step_s=float(t[0]), factor_s=float(t[1]), inversion_s=float(t[2]))
 
     def step_costs(self, base_step_s: float) -> StepCosts:
-        """The costs `"auto"` intervals weigh: `base_step_s`, and from `self.costs` one
-        all-reduce of every factor and one round of inversions (the placement's makespan
-        plus the broadcasts of its results)."""
+        """The priced costs `"auto"` intervals fall back on before measuring: `base_step_s`,
+        and from `self.costs` one all-reduce of every factor and one round of inversions
+        (the placement's makespan plus the broadcasts of its results)."""
         comm_s = inv_s = 0.0
         if self.world > 1 and self.pipeline.discovered:
             comm_s = self.costs.link.time(
@@ -598,7 +627,7 @@ class KFAC:
                     continue
                 nbytes = 4 * second_order_numel(method, s.shape, packed=self.cfg.packed)
                 inv_s += self.costs.link.time(Collective.BROADCAST, nbytes, workers)
-        return StepCosts(base_step_s=base_step_s, factor_comm_s=comm_s, inversion_s=inv_s)
+        return StepCosts(base_step_s=base_step_s, factor_s=comm_s, inversion_s=inv_s)
 
     def _ensure_assignment(self) -> None:
         if self.assignment is not None or not self.pipeline.discovered:
@@ -638,6 +667,13 @@ class KFAC:
         asg = self.assignment
         if asg is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._invert_slots(asg, slots, step)
+        finally:
+            self._inv_s += time.perf_counter() - t0
+
+    def _invert_slots(self, asg: Assignment, slots: list[Slot], step: int) -> None:
         damping = float(self._at("damping", step))
         method = Method(self.cfg.method)
         for s in slots:
@@ -679,7 +715,9 @@ class KFAC:
     def _resolve(self, key: str) -> SecondOrder:
         pend = self._pending.pop(key, None)
         if pend is not None:
+            t0 = time.perf_counter()
             pend.future.wait()
+            self._inv_s += time.perf_counter() - t0  # an inversion done elsewhere
             s = self.pipeline.slot(key)
             self._second[key] = SecondOrder.from_wire(
                 pend.buffer, method=Method(self.cfg.method), shape=s.shape,
@@ -841,7 +879,7 @@ class KFAC:
                 "from a state_dict(include_factors=False)"
             )
         self.steps = int(state["steps"])
-        if "intervals" in state:  # until "auto" decides again, after the first step
+        if "intervals" in state:  # until "auto" decides again, after the first steps
             self.intervals = Intervals(*map(int, state["intervals"]))
         self.pipeline.load_state_dict(state.get("pipeline", {}))
         self._second.clear()
