@@ -153,11 +153,18 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> Path:
-    """Lay `fig` out, write it to `path` (creating the folder) and close it."""
+def save_figure(fig: Any, path: Path, *, dpi: int = 110, outside: Sequence[Any] = ()) -> Path:
+    """Lay `fig` out, write it to `path` (creating the folder) and close it.
+
+    `outside`: artists placed outside the axes (a legend below them) that the saved image
+    must include.
+    """
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    if outside:
+        fig.savefig(path, dpi=dpi, bbox_extra_artists=list(outside), bbox_inches="tight")
+    else:
+        fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return path
 

@@ -17,6 +17,7 @@ from plait.bench.race import (
     median_range,
     parse_entry,
     parse_lr_map,
+    read_results,
     run_race,
     should_stop,
     summarise,
@@ -241,6 +242,7 @@ def test_summary_and_reports_without_a_cluster(tmp_path: Path) -> None:
     assert "0.25x |" in md
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "results.png").stat().st_size > 10_000  # two panels of lines, not blank
+    assert read_results(tmp_path / "results.json") == [base, acp]  # to re-plot or compare
 
 
 # --------------------------------------------------------- the runner on a cluster

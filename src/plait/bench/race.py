@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +352,24 @@ class RaceResult:
         d = asdict(self)
         prov = d.pop("provenance")
         return {**d, **prov}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RaceResult:
+        """Read back one record of results.json (`to_dict`'s output)."""
+        names = {f.name for f in fields(cls)} - {"provenance", "runs"}
+        runs = [
+            RaceRun(**{**r, "curve": [RacePoint(**p) for p in r["curve"]]}) for r in data["runs"]
+        ]
+        return cls(
+            **{k: v for k, v in data.items() if k in names},
+            runs=runs,
+            provenance={k: v for k, v in data.items() if k not in names and k != "runs"},
+        )
+
+
+def read_results(path: Path) -> list[RaceResult]:
+    """A race's results.json, as `RaceResult` records (to re-plot or compare them)."""
+    return [RaceResult.from_dict(d) for d in json.loads(Path(path).read_text())]
 
 
 # ------------------------------------------------------------------ the distributed job
@@ -704,8 +722,12 @@ def plot(results: Sequence[RaceResult], path: Path) -> Path:
         axes[0].set_ylabel(f"held-out {results[0].metric}")
         if results[0].metric == "loss":
             axes[0].set_yscale("log")
-    axes[1].legend(loc="best", fontsize=8)
-    return save_figure(fig, path, dpi=120)
+    # below both panels: long specs inside an axis would hide its curves
+    handles, labels = axes[1].get_legend_handles_labels()
+    legend = fig.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8, frameon=False
+    )
+    return save_figure(fig, path, dpi=120, outside=[legend])
 
 
 def write_reports(results: Sequence[RaceResult], out: Path) -> None:
