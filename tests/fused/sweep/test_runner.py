@@ -197,3 +197,37 @@ def test_cli_space_file_and_optimizer(tmp_path: Path, capsys: pytest.CaptureFixt
         with pytest.raises(SystemExit):
             main(["sweep", *bad])
         assert message in capsys.readouterr().err
+
+
+def test_a_study_another_process_is_creating_is_opened_on_a_retry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two sweeps started together on a new SQLite file: the loser of the schema race
+    meets "table ... already exists" (seen with two concurrent `plait sweep`); it retries
+    and opens the study; other storage errors still fail at once."""
+    from plait.fused.sweep import runner
+
+    real = optuna.create_study
+    calls: list[int] = []
+
+    def racy(*args: object, **kw: object) -> optuna.Study:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("(sqlite3.OperationalError) table study_directions already exists")
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner.optuna, "create_study", racy)
+    monkeypatch.setattr(runner.time, "sleep", lambda _s: None)
+    storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
+    study = runner._open_study("s", storage, SweepConfig(trials=1))
+    assert study.study_name == "s" and len(calls) == 2
+
+    def broken(*args: object, **kw: object) -> optuna.Study:
+        calls.append(1)
+        raise RuntimeError("no such driver")
+
+    monkeypatch.setattr(runner.optuna, "create_study", broken)
+    calls.clear()
+    with pytest.raises(ValueError, match="no such driver"):
+        runner._open_study("s", storage, SweepConfig(trials=1))
+    assert len(calls) == 1

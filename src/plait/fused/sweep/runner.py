@@ -610,21 +610,35 @@ class _Holder:
         self.trials.clear()
 
 
+#: Errors of a storage that another process is setting up at the same moment (two sweeps
+#: started together on a new SQLite file: one of them meets "table ... already exists").
+_RACY_STORAGE_ERRORS = ("already exists", "database is locked", "UNIQUE constraint failed")
+_OPEN_ATTEMPTS = 5
+
+
 def _open_study(name: str, storage: str, cfg: SweepConfig) -> optuna.Study:
-    try:
-        return optuna.create_study(
-            study_name=name,
-            storage=storage,
-            direction="maximize",
-            sampler=_sampler(cfg),
-            pruner=_pruner(cfg),
-            load_if_exists=True,
-        )
-    except Exception as exc:
-        # Errors of the storage layer may quote the URL, password included.
-        raise ValueError(
-            f"cannot open Optuna storage {mask_url(storage)}: {mask_secrets(str(exc), storage)}"
-        ) from None
+    """Create or load the study; a race with another process creating it is retried."""
+    for attempt in range(_OPEN_ATTEMPTS):
+        try:
+            return optuna.create_study(
+                study_name=name,
+                storage=storage,
+                direction="maximize",
+                sampler=_sampler(cfg),
+                pruner=_pruner(cfg),
+                load_if_exists=True,
+            )
+        except Exception as exc:
+            racy = any(text in str(exc) for text in _RACY_STORAGE_ERRORS)
+            if racy and attempt + 1 < _OPEN_ATTEMPTS:
+                log.debug("storage busy (%s): opening the study again", type(exc).__name__)
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            # Errors of the storage layer may quote the URL, password included.
+            raise ValueError(
+                f"cannot open Optuna storage {mask_url(storage)}: {mask_secrets(str(exc), storage)}"
+            ) from None
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def check_space(
