@@ -50,12 +50,13 @@ bench: install
 bench-fused: install
 	$(BIN)/plait bench-fused --threads 1,2 --out benchmarks/hfta/grid
 
-# Time to accuracy: first-order optimizers and K-FAC raced to 95% on the digits CNN at `fast`
-# (learning rates: give each entry its tuned one, see docs/race.md).
+# Time to accuracy: the races of benchmarks/RESULTS.md (benchmarks/race/run.sh: the learning
+# rates' tuning race, optimizers, compressors), then the 32-trial sweep fused vs trials one
+# after another vs concurrent processes. Long: about an hour and a half on two cores.
 race: install
-	$(BIN)/plait race --workload digits-cnn --target 0.95 --nodes 4 --bandwidth fast \
-		--strategies "ssgd+sgd@0.05;ssgd+adamw@0.003;ssgd+muon@0.01;spd-kfac+sgd@0.05" \
-		--out benchmarks/race/digits-cnn-fast
+	PLAIT=$(BIN)/plait benchmarks/race/run.sh
+	$(BIN)/python -m plait.bench.fused.sweep_race --trials 32 --epochs 10 --repeats 3 \
+		--concurrent 2 --out benchmarks/hfta/sweep-race
 
 # The documentation site (mkdocs.yml, docs/) into site/; strict: broken links fail.
 docs: install

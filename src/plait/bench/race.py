@@ -778,6 +778,9 @@ def run_race(
     argv = ["plait.bench.race", str(spec_path), str(res_path)]
     if not progress:
         argv.append("--no-progress")
+    # the code that runs: the tree as the race starts, not as it ends (a long race may
+    # outlive edits to the working tree)
+    meta = provenance(command=command)
     with Cluster.create(nodes=nodes, network=net) as cluster:
         logger.info(
             "race %s on %d node(s) x %d (%s): %s",
@@ -803,7 +806,6 @@ def run_race(
         raise RuntimeError(f"race job failed (exit codes {result.returncodes}{why})")
     runs = [_run_from_dict(d) for d in json.loads(res_path.read_text())]
     results = summarise(spec, runs, nodes=nodes, nproc_per_node=nproc_per_node, batch_size=batch)
-    meta = provenance(command=command)
     for r in results:
         r.provenance = {**meta, "latency": latency, "loss": loss}
     if out is not None:

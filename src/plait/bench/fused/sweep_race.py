@@ -771,13 +771,17 @@ def write_results(
     summary: RaceSummary,
     *,
     command: str,
+    meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """results.json (config, runs, summary, provenance), results.md and results.png."""
+    """results.json (config, runs, summary, provenance), results.md and results.png.
+
+    `meta`: the provenance taken when the race started (default: taken now).
+    """
     record: Mapping[str, Any] = {
         "config": asdict(cfg),
         "summary": summary.to_dict(),
         "runs": [r.to_dict() for r in runs],
-        **provenance(command=command),
+        **(meta if meta is not None else provenance(command=command)),
     }
     return write_report(
         out,
@@ -874,12 +878,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study created
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["python", "-m", "plait.bench.fused.sweep_race", *argv])
+    meta = provenance(command=command)  # the code as the race starts
     runs = run_race(cfg)
     summary = summarize(runs, tolerance=cfg.tolerance)
     table = markdown_table(summary, cfg)
     print(table, end="")
     if args.out is not None:
-        paths = write_results(Path(args.out), cfg, runs, summary, command=command)
+        paths = write_results(Path(args.out), cfg, runs, summary, command=command, meta=meta)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
