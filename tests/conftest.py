@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import signal
 
 import pytest
 
@@ -16,6 +17,18 @@ def _cuda() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Let Ctrl-C be Ctrl-C in the suite and in every process it starts.
+
+    A non-interactive shell starts a background job (`make test &`) with SIGINT ignored,
+    and an ignored signal stays ignored across exec: the tests that press Ctrl-C on a job
+    (`tests/faults/test_teardown.py`) would then hang or fail on a job that never saw it.
+    A handler set here is reset to the default in the processes the tests start.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
