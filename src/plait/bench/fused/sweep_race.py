@@ -51,6 +51,7 @@ from typing import Any
 
 import optuna
 
+from plait._proc import usable_cpus
 from plait.bench.core import Order, Stats, schedule
 from plait.cpu import read_jiffies
 from plait.records import provenance, pyplot, save_figure, write_report
@@ -127,14 +128,6 @@ def grid_space(trial: optuna.Trial) -> dict[str, Any]:
     }
 
 
-def _cpu_count() -> int:
-    """CPUs this process may run on (the affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 @dataclass(frozen=True, kw_only=True)
 class RaceConfig:
     """What the race runs.
@@ -157,7 +150,7 @@ class RaceConfig:
     epochs: int = 10
     repeats: int = 3
     concurrent: int = 2
-    threads: int = field(default_factory=_cpu_count)
+    threads: int = field(default_factory=usable_cpus)
     max_models: int = 32
     workload: str = "digits-cnn"
     seed: int = 0
@@ -855,7 +848,7 @@ def _config(args: argparse.Namespace) -> RaceConfig:
         epochs=args.epochs,
         repeats=args.repeats,
         concurrent=args.concurrent,
-        threads=args.threads if args.threads is not None else _cpu_count(),
+        threads=args.threads if args.threads is not None else usable_cpus(),
         max_models=args.max_models,
         workload=args.workload,
         seed=args.seed,
