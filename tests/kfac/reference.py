@@ -25,6 +25,7 @@ class RefConfig:
     inv_interval: int = 1
     factor_interval: int = 1
     method: str = "inverse"
+    approximation: str = "expand"
 
 
 def _patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +128,11 @@ class ReferenceKFAC:
         if self.steps % cfg.factor_interval == 0:
             for m in self.modules:
                 a_rows, g_rows = _rows(m, self.inputs[m], self.gouts[m])
+                if cfg.approximation == "reduce" and not isinstance(m, nn.Embedding):
+                    # one row per sample: its mean input row and its summed gradient row
+                    b = self.inputs[m].shape[0]
+                    a_rows = a_rows.reshape(a_rows.shape[0], b, -1, a_rows.shape[-1]).mean(2)
+                    g_rows = g_rows.reshape(g_rows.shape[0], b, -1, g_rows.shape[-1]).sum(2)
                 a_new = a_rows.transpose(1, 2) @ a_rows / a_rows.shape[1]
                 g_new = g_rows.transpose(1, 2) @ g_rows / g_rows.shape[1]
                 if m in self.a:

@@ -9,6 +9,7 @@ import torch
 
 from plait.kfac.config import KFACConfig, check_value
 from plait.kfac.factors import Method
+from plait.kfac.layers import Approximation
 from plait.kfac.pipeline import FactorComm
 from plait.kfac.placement import Distribution, PlacementPolicy
 
@@ -21,7 +22,10 @@ def test_names_become_enums_and_dtypes() -> None:
         distribution="auto",
         comm_dtype="bf16",
         skip_layers=("head*",),
+        approximation="Reduce",
     )
+    assert cfg.approximation is Approximation.REDUCE
+    assert KFACConfig().approximation is Approximation.EXPAND
     assert cfg.method is Method.EIGEN and cfg.comm is FactorComm.STATIC
     assert cfg.placement is PlacementPolicy.GREEDY and cfg.distribution is Distribution.AUTO
     assert cfg.comm_dtype is torch.bfloat16 and cfg.skip_layers == ("head*",)
@@ -39,6 +43,7 @@ def test_names_become_enums_and_dtypes() -> None:
         ({"inv_interval": 2.5}, "inv_interval"),
         ({"inv_interval": True}, "inv_interval"),
         ({"method": "svd"}, "unknown method 'svd'; choose from inverse, eigen"),
+        ({"approximation": "mean"}, "unknown approximation 'mean'; choose from expand, reduce"),
         ({"comm_dtype": "int8"}, "comm_dtype"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
         ({"grad_workers": 0}, "grad_workers"),

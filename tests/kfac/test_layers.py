@@ -3,6 +3,9 @@
 ``g_rows^T a_rows / batch`` is the weight gradient by construction of K-FAC's blocks, so
 this checks the patch extraction (stride, dilation, padding and its mode, groups), bias
 columns, the batch scaling of G and the matrix layout against torch's own backward.
+K-FAC-reduce's rows are checked against their definition on the expand rows (each sample's
+mean input row, summed output-gradient row), and against the gradient where reduce is
+exact: inputs that agree over positions.
 """
 
 from __future__ import annotations
@@ -151,3 +154,76 @@ def test_registered_linear_like_layers_get_the_linear_adapter(transposed: bool) 
         unregister_layer_type(_MyLinear)
     with pytest.raises(ValueError, match=r"nn\.Module subclass"):
         register_layer_type(int)  # type: ignore[arg-type]
+
+
+def _reduce_reference(layer: KFACLayer, x: torch.Tensor, g: torch.Tensor, batch: int) -> Any:
+    """K-FAC-reduce's rows by definition, from the expand rows: [groups, batch, dim]."""
+    a = layer.a_rows(x)
+    rows_g = layer.g_rows(g, batch)
+    groups = a.shape[0]
+    return (
+        a.reshape(groups, batch, -1, a.shape[-1]).mean(2),
+        rows_g.reshape(groups, batch, -1, rows_g.shape[-1]).sum(2),
+    )
+
+
+@pytest.mark.parametrize("kw", CONVS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_conv2d_reduce_rows_are_each_samples_mean_patch_and_summed_gradient(
+    kw: dict[str, Any],
+) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, **kw).double()
+    layer = make_layer("conv", conv)
+    assert isinstance(layer, Conv2dLayer) and layer.reducible
+    x = torch.randn(3, 4, 7, 6, dtype=torch.float64)
+    g = torch.randn_like(conv(x))
+    want_a, want_g = _reduce_reference(layer, x, g, 3)
+    # the conv's own paths never unfold the patches: compared with the unfolded definition
+    torch.testing.assert_close(layer.a_reduced(x, 3), want_a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.g_reduced(g, 3), want_g, rtol=1e-12, atol=1e-12)
+    total, n = layer.a_sum(x, packed=False, reduce_to=3)
+    assert n == 3
+    dense = torch.matmul(want_a.transpose(1, 2), want_a)
+    torch.testing.assert_close(total.view_as(dense), dense)
+    total, n = layer.g_sum(g, 3, packed=True, reduce=True)
+    assert n == 3
+    dense = torch.matmul(want_g.transpose(1, 2), want_g)
+    torch.testing.assert_close(unpack(total, layer.g_shape), dense)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_reduce_rows_average_over_positions(bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = make_layer("fc", nn.Linear(6, 4, bias=bias).double())
+    assert isinstance(layer, LinearLayer)
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    g = torch.randn(2, 5, 4, dtype=torch.float64)
+    want_a, want_g = _reduce_reference(layer, x, g, 2)
+    torch.testing.assert_close(layer.a_reduced(x, 2), want_a)
+    torch.testing.assert_close(layer.g_reduced(g, 2), want_g)
+    # the base class's default (used by registered adapters) agrees with the fast path
+    torch.testing.assert_close(KFACLayer.a_reduced(layer, x, 2), want_a)
+    torch.testing.assert_close(KFACLayer.g_reduced(layer, g, 2), want_g)
+    # without positions (a [batch, in] input) reduce is expand
+    flat = torch.randn(5, 6, dtype=torch.float64)
+    torch.testing.assert_close(layer.a_reduced(flat, 5), layer.a_rows(flat))
+
+
+def test_reduce_rows_give_the_gradient_when_inputs_agree_over_positions() -> None:
+    torch.manual_seed(0)
+    layer = make_layer("fc", nn.Linear(6, 4).double())
+    assert layer is not None
+    x = torch.randn(3, 1, 6, dtype=torch.float64).expand(3, 5, 6)  # same input at 5 positions
+    out = layer.module(x)
+    captured: dict[str, torch.Tensor] = {}
+    out.register_hook(lambda g: captured.setdefault("g", g))
+    (out**2).mean().backward()
+    rows_a, rows_g = layer.a_reduced(x, 3), layer.g_reduced(captured["g"], 3)
+    torch.testing.assert_close(
+        torch.matmul(rows_g.transpose(1, 2), rows_a) / 3, layer.grad_matrix()
+    )
+
+
+def test_embeddings_stay_on_expand() -> None:
+    layer = make_layer("emb", nn.Embedding(9, 5))
+    assert isinstance(layer, EmbeddingLayer) and not layer.reducible

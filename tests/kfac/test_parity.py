@@ -40,6 +40,7 @@ CASES: list[tuple[str, tuple[int, ...]]] = [
     (f"spd-kfac:{COMMON},distribution=hybrid,grad_workers=2,local_inversion=false", (4,)),
     (f"kfac-static:{COMMON},distribution=hybrid,grad_workers=2", (4,)),
     (f"spd-kfac:{COMMON},method=eigen", (2,)),
+    (f"spd-kfac:{COMMON},approximation=reduce", (1, 2, 4)),
     (f"spd-kfac:{COMMON},comm_dtype=bf16", (2,)),
     (f"kfac-static:{COMMON},comm_dtype=fp16", (2,)),
 ]
@@ -120,10 +121,12 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def reference(kind: str, method: str = "inverse") -> list[list[torch.Tensor]]:
+def reference(
+    kind: str, method: str = "inverse", approximation: str = "expand"
+) -> list[list[torch.Tensor]]:
     model = MODELS[kind]()
     cfg = RefConfig(damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=LR, inv_interval=2,
-                    method=method)  # fmt: skip
+                    method=method, approximation=approximation)  # fmt: skip
     kfac = ReferenceKFAC(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xs, ys = _data(kind)
@@ -179,13 +182,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_preconditioned_gradients_match_single_process(world: int) -> None:
-    refs = {(kind, m): reference(kind, m) for kind in MODELS for m in ("inverse", "eigen")}
+    refs = {
+        (kind, m, ap): reference(kind, m, ap)
+        for kind in MODELS
+        for m in ("inverse", "eigen")
+        for ap in ("expand", "reduce")
+    }
     per_rank = run_distributed(_all_cases, world_size=world, timeout_s=300)
     checked = 0
     for results in per_rank:
         for key, steps in results.items():
             spec, kind = key.split("|")
-            ref = refs[(kind, "eigen" if "method=eigen" in spec else "inverse")]
+            ref = refs[
+                (
+                    kind,
+                    "eigen" if "method=eigen" in spec else "inverse",
+                    "reduce" if "approximation=reduce" in spec else "expand",
+                )
+            ]
             errors = [
                 _rel(g, w)
                 for got, want in zip(steps, ref, strict=True)
@@ -199,12 +213,15 @@ def test_preconditioned_gradients_match_single_process(world: int) -> None:
 
 
 def test_reference_is_not_plain_sgd() -> None:
-    """The parity above would be vacuous if preconditioning changed nothing."""
+    """The parity above would be vacuous if preconditioning changed nothing, or if reduce
+    preconditioned like expand."""
     model = _cnn()
     xs, ys = _data("cnn")
     _loss(model(xs[0]), ys[0]).backward()
     raw = [p.grad.clone() for p in model.parameters()]
     assert min(_rel(p, r) for p, r in zip(reference("cnn")[0], raw, strict=True)) > 1e-2
+    expand, reduce = reference("cnn")[1], reference("cnn", approximation="reduce")[1]
+    assert min(_rel(r, e) for r, e in zip(reduce, expand, strict=True)) > 1e-2
 
 
 def _lazy_resume(rank: int, world: int) -> tuple[Any, Any]:

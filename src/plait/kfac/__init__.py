@@ -6,6 +6,7 @@ from plait.kfac.config import KFACConfig
 from plait.kfac.costs import KFACCosts
 from plait.kfac.factors import Method
 from plait.kfac.layers import (
+    Approximation,
     FactorKind,
     FactorShape,
     KFACLayer,
@@ -20,6 +21,7 @@ from plait.kfac.preconditioner import KFAC, check_model
 
 __all__ = [
     "KFAC",
+    "Approximation",
     "Assignment",
     "Distribution",
     "FactorComm",

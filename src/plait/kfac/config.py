@@ -16,6 +16,7 @@ import torch
 
 from plait.kfac.factors import InverseForm, Method
 from plait.kfac.intervals import AUTO
+from plait.kfac.layers import Approximation
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
 
@@ -59,6 +60,9 @@ class KFACConfig:
         auto_drift: ``"auto"`` intervals: decide again when a windowed median cost
             moves by more than this factor from the one decided on (> 1).
         auto_window: ``"auto"`` intervals: steps per drift check (>= 1).
+        approximation: ``expand`` (every position of a convolution or of a sequence is a
+            factor row; KFC) or ``reduce`` (one row per sample: its mean input and summed
+            output gradient; far cheaper on convolutions), `plait.kfac.layers`.
         method: ``inverse`` (Cholesky) or ``eigen``.
         inverse_form: how the inverse method holds a factor: ``cholesky`` (triangular
             factor, solves), ``explicit`` (inverse, products) or ``auto`` (per factor, from
@@ -87,6 +91,7 @@ class KFACConfig:
     lr: ScheduledValue | None = None
     factor_interval: Interval = 1
     inv_interval: Interval = 1
+    approximation: Approximation | str = Approximation.EXPAND
     method: Method | str = Method.INVERSE
     inverse_form: InverseForm | str = InverseForm.AUTO
     comm: FactorComm | str = FactorComm.DYNAMIC
@@ -109,6 +114,7 @@ class KFACConfig:
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
+        set_("approximation", _enum(Approximation, self.approximation, "approximation"))
         set_("method", _enum(Method, self.method, "method"))
         set_("inverse_form", _enum(InverseForm, self.inverse_form, "inverse_form"))
         set_("comm", _enum(FactorComm, self.comm, "factor communication"))

@@ -55,6 +55,7 @@ from plait.kfac.intervals import (
     StepCosts,
 )
 from plait.kfac.layers import (
+    Approximation,
     Conv2dLayer,
     EmbeddingLayer,
     FactorKind,
@@ -424,6 +425,10 @@ class KFAC:
                 acc.uses_now = 0
 
     # ------------------------------------------------------------------ hooks
+    def _reduces(self, layer: KFACLayer) -> bool:
+        """Whether `layer` forms its factors by K-FAC-reduce (`KFACConfig.approximation`)."""
+        return self.cfg.approximation is Approximation.REDUCE and layer.reducible
+
     def _capturing(self, module: nn.Module) -> bool:
         return module.training and torch.is_grad_enabled() and self._is_factor_step(self.steps)
 
@@ -444,12 +449,14 @@ class KFAC:
         if not self._accumulating and not self.pipeline.in_step:
             self._begin_pipeline_step()
         t0 = time.perf_counter()
+        batch = batch_size(layer, x)
+        reduce = self._reduces(layer)
         with span(f"A {layer.name}", FACTOR):
-            total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed)
+            total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed,
+                                      reduce_to=batch if reduce else None)  # fmt: skip
         self._add(layer, FactorKind.A, total, rows)
         self._hook_s += time.perf_counter() - t0
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            batch = batch_size(layer, x)
             output.register_hook(functools.partial(self._on_grad, layer, batch))
 
     def _leave_alone(self, layer: KFACLayer) -> None:
@@ -472,7 +479,8 @@ class KFAC:
     def _on_grad(self, layer: KFACLayer, batch: int, grad: torch.Tensor) -> None:
         t0 = time.perf_counter()
         with torch.no_grad(), span(f"G {layer.name}", FACTOR):
-            total, rows = layer.g_sum(grad.detach(), batch, packed=self.pipeline.layout.packed)
+            total, rows = layer.g_sum(grad.detach(), batch, packed=self.pipeline.layout.packed,
+                                      reduce=self._reduces(layer))  # fmt: skip
             self._add(layer, FactorKind.G, total, rows)
         self._hook_s += time.perf_counter() - t0
 

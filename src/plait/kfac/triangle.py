@@ -84,6 +84,10 @@ def syrk(rows: torch.Tensor) -> torch.Tensor:
         [groups * n (n + 1) / 2], each group's triangle in the band layout.
     """
     groups, _, n = rows.shape
+    if n <= TILE:  # one band: one batched product, its upper triangles gathered at once
+        upper, _ = _triu_index(n, str(rows.device))
+        full = torch.bmm(rows.transpose(1, 2), rows).view(groups, n * n)
+        return full.index_select(1, upper).view(-1)
     out = rows.new_empty(groups * packed_numel(n))
     for band in _walk(n, groups):
         x, i, j = rows[band.group], band.start, band.stop

@@ -32,7 +32,7 @@ from torch import nn
 from plait.dp import compressor_class, compressor_of, data_parallel
 from plait.kfac.config import KFACConfig
 from plait.kfac.factors import precondition
-from plait.kfac.layers import KFACLayer
+from plait.kfac.layers import Approximation, KFACLayer
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
 from plait.kfac.preconditioner import KFAC, batch_size, check_model
@@ -240,13 +240,15 @@ def _compute_only_hooks(kfac: KFAC) -> Iterator[None]:
         if kfac.steps % int(kfac.at("factor_interval", kfac.steps)):
             return
         x = inputs[0].detach()
-        layer.a_sum(x, packed=kfac.pipeline.layout.packed)
+        batch = batch_size(layer, x)
+        reduce = kfac.cfg.approximation is Approximation.REDUCE and layer.reducible
+        layer.a_sum(x, packed=kfac.pipeline.layout.packed, reduce_to=batch if reduce else None)
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            batch = batch_size(layer, x)
 
             def on_grad(grad: torch.Tensor) -> None:
                 with torch.no_grad():
-                    layer.g_sum(grad.detach(), batch, packed=kfac.pipeline.layout.packed)
+                    layer.g_sum(grad.detach(), batch, packed=kfac.pipeline.layout.packed,
+                                reduce=reduce)  # fmt: skip
 
             out.register_hook(on_grad)
 
