@@ -10,6 +10,8 @@ OUT=benchmarks/race
 
 KFAC="spd-kfac:factor_interval=auto,inv_interval=auto"
 KFAC_ACP="spd-kfac:compression=acpsgd,rank=4,factor_interval=auto,inv_interval=auto"
+# K-FAC as tuned by tune-kfac-digits-cnn: reduce factors, a 10x looser KL clip, damping 0.01
+TUNED="kl_clip=0.01,approximation=reduce,damping=0.01"
 
 race() {  # NAME ARGS...
     local name=$1
@@ -24,10 +26,16 @@ tune-digits-cnn() {
         --strategies "ssgd+sgd@0.05;ssgd+sgd@0.1;ssgd+sgd@0.2;ssgd+adamw@0.003;ssgd+adamw@0.01;ssgd+adamw@0.03;ssgd+muon@0.01;ssgd+muon@0.03;ssgd+muon@0.1;$KFAC+sgd@0.01;$KFAC+sgd@0.02;$KFAC+sgd@0.05;$KFAC_ACP+sgd@0.01;$KFAC_ACP+sgd@0.02;$KFAC_ACP+sgd@0.05"
 }
 
+tune-kfac-digits-cnn() {  # K-FAC's approximation, KL clip and damping, after tune-digits-cnn
+    race tune-kfac-digits-cnn --workload digits-cnn --target 0.97 --nodes 4 --bandwidth fast \
+        --seeds 10,11,12 --max-steps 400 --eval-every 5 \
+        --strategies "ssgd+adamw@0.01;$KFAC+sgd@0.02;$KFAC,kl_clip=0.01+sgd@0.02;$KFAC,kl_clip=0.01,approximation=reduce+sgd@0.02;$KFAC,$TUNED+sgd@0.01;$KFAC,$TUNED+sgd@0.02;$KFAC,$TUNED+sgd@0.05;$KFAC_ACP,$TUNED+sgd@0.01;$KFAC_ACP,$TUNED+sgd@0.02"
+}
+
 optimizers-digits-cnn() {  # BANDWIDTH
     race "optimizers-digits-cnn-$1" --workload digits-cnn --target 0.97 --nodes 4 \
         --bandwidth "$1" --max-steps 600 --eval-every 5 \
-        --strategies "ssgd+sgd@0.1;ssgd+adamw@0.01;ssgd+muon@0.01;$KFAC+sgd@0.02;$KFAC_ACP+sgd@0.01"
+        --strategies "ssgd+sgd@0.1;ssgd+adamw@0.01;ssgd+muon@0.01;$KFAC+sgd@0.02;$KFAC,$TUNED+sgd@0.02;$KFAC_ACP,$TUNED+sgd@0.01"
 }
 
 kfac-budget-digits-cnn() {  # BANDWIDTH: K-FAC's overhead budget (auto_overhead) 0.1-0.5
@@ -52,6 +60,7 @@ compressors-gpt() {  # BANDWIDTH
 
 all() {
     tune-digits-cnn
+    tune-kfac-digits-cnn
     for bw in fast slow; do optimizers-digits-cnn "$bw"; done
     for bw in slow fast; do compressors-digits-cnn "$bw"; done
     for bw in slow fast; do compressors-gpt "$bw"; done

@@ -165,6 +165,37 @@ def test_kfac_decides_after_the_first_step_from_measured_costs(
         kfac.remove()
 
 
+@pytest.mark.parametrize("sync", ["eager", "lazy"])
+def test_the_factor_all_reduce_counts_where_it_is_waited_for(sync: str) -> None:
+    """Eager sync all-reduces the factors of every update, lazy sync only the running
+    factors of an inversion round: a 0.2 s wait for that exchange (stood in for by a slow
+    end of the factor step) is the factor update's cost under eager, the round's under lazy.
+    (0.2 s: far above what the tiny model's own parts take on a loaded 2-core host.)"""
+    import time
+
+    torch.manual_seed(0)
+    free = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1e-30, flop_s=1e-30)
+    cfg = KFACConfig(factor_interval="auto", inv_interval="auto", sync=sync, probe=False)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    kfac = KFAC(model, cfg, costs=free)
+    end_step = kfac.pipeline.end_step
+
+    def slow_end_step() -> None:
+        time.sleep(0.2)
+        end_step()
+
+    kfac.pipeline.end_step = slow_end_step  # type: ignore[method-assign]
+    _train(kfac, model, 3)
+    assert kfac._planner is not None
+    costs = kfac._planner.decided_on
+    assert costs is not None
+    if sync == "lazy":
+        assert costs.inversion_s >= 0.2 > costs.factor_s
+    else:
+        assert costs.factor_s >= 0.2 > costs.inversion_s
+    kfac.remove()
+
+
 def test_kfac_decides_again_when_the_base_step_drifts() -> None:
     """After `auto_window` steps the median base step is compared with the decided one."""
     torch.manual_seed(0)

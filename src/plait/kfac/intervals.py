@@ -1,8 +1,10 @@
 """Choosing K-FAC's factor and inversion intervals from measured costs (``"auto"``).
 
 K-FAC's extra work per step is the factor update (computing the factors in the layer hooks
-and their all-reduce, every `f` steps) and the inversions (every `i` steps). Amortised over
-the steps that reuse them, the overhead per step is
+and, under eager sync, their all-reduce, every `f` steps) and the inversion round (every `i`
+steps: the decompositions, the broadcasts of their results and, under lazy sync, the
+all-reduce of the running factors). Amortised over the steps that reuse them, the overhead
+per step is
 
     overhead(f, i) = factor_s / f + inversion_s / i
 
@@ -57,8 +59,10 @@ class StepCosts:
     Attributes:
         base_step_s: one training step without K-FAC's factor update and inversions (its
             forward, backward and preconditioning).
-        factor_s: one factor update: computing every factor and all-reducing them.
-        inversion_s: one round of inversions, with the broadcasts of their results.
+        factor_s: one factor update: computing every factor, and all-reducing them under
+            eager sync.
+        inversion_s: one round of inversions, with the broadcasts of their results, and
+            under lazy sync the all-reduce of the running factors it inverts.
     """
 
     base_step_s: float

@@ -559,9 +559,12 @@ class KFAC:
         self._micro = 0
         hook_s, self._hook_s = self._hook_s, 0.0
         if self._planner is not None and began is not None:
-            # the step split into what every step pays and K-FAC's two amortisable parts
-            factor_s = hook_s + communicated_s if factor_step else None
-            inv_s = self._inv_s if inv_step else None
+            # the step split into what every step pays and K-FAC's two amortisable parts;
+            # lazy sync all-reduces the running factors only to invert them, so that wait
+            # belongs to the inversion round (and factor updates between rounds are local)
+            comm_in_round = lazy and inv_step
+            factor_s = hook_s + (0.0 if comm_in_round else communicated_s) if factor_step else None
+            inv_s = self._inv_s + (communicated_s if comm_in_round else 0.0) if inv_step else None
             total_s = time.perf_counter() - began
             base_s = total_s - (factor_s or 0.0) - (inv_s or 0.0)
             self._planner.observe(base_s, factor_s=factor_s, inversion_s=inv_s)
@@ -573,16 +576,17 @@ class KFAC:
         """Decide the intervals after the first steps, and again when the costs drift.
 
         Each step is timed from its first hooked forward to the end of `step` and split
-        into a factor update (the factor computations in the hooks and the wait for their
-        all-reduce, on factor steps), an inversion round (the decompositions and the waits
-        for their broadcasts, on inversion steps) and the base step (the rest: forward,
-        backward, preconditioning). Measured, not priced: on small layers a decomposition's
-        fixed cost is hundreds of times what an n^3 model says (digits CNN: 12 ms measured,
-        0.09 ms priced), and priced costs then keep K-FAC inverting every step. Until a
-        part has been measured, its price from `self.costs` stands in. The medians differ by
-        rank, so they are agreed over the group (the largest: the slowest rank sets the
-        pace), at step counts every rank reaches together (after `FIRST_DECISION_STEPS`,
-        then every `auto_window` steps).
+        into a factor update (the factor computations in the hooks and, under eager sync,
+        the wait for their all-reduce, on factor steps), an inversion round (the
+        decompositions and the waits for their broadcasts, and under lazy sync the wait for
+        the all-reduce of the running factors, on inversion steps) and the base step (the
+        rest: forward, backward, preconditioning). Measured, not priced: on small layers a
+        decomposition's fixed cost is hundreds of times what an n^3 model says (digits CNN:
+        12 ms measured, 0.09 ms priced), and priced costs then keep K-FAC inverting every
+        step. Until a part has been measured, its price from `self.costs` stands in. The
+        medians differ by rank, so they are agreed over the group (the largest: the slowest
+        rank sets the pace), at step counts every rank reaches together (after
+        `FIRST_DECISION_STEPS`, then every `auto_window` steps).
         """
         if self.assignment is None or self.steps < FIRST_DECISION_STEPS:
             return
