@@ -133,7 +133,8 @@ def test_stop_rule() -> None:
     assert should_stop(step=100, value=0.95, **{**acc, "full_budget": True})
     loss = {**acc, "metric": "loss", "target": 1.5}
     assert should_stop(step=5, value=1.5, **loss) and not should_stop(step=5, value=1.6, **loss)
-    assert not should_stop(step=5, value=math.nan, **loss)  # a diverged run never arrives
+    assert should_stop(step=5, value=math.nan, **loss)  # a diverged run never arrives: it stops
+    assert should_stop(step=5, value=math.inf, **{**loss, "full_budget": True})
 
 
 # ------------------------------------------------------------------------ statistics

@@ -260,11 +260,17 @@ def reached(value: float, target: float, metric: str) -> bool:
 def should_stop(
     *, step: int, value: float | None, target: float, metric: str, max_steps: int, full_budget: bool
 ) -> bool:
-    """The stop rule: at the step budget, or at an evaluation that meets the target (unless
-    the run goes on to the full budget). `value` is None between evaluations."""
+    """The stop rule: at the step budget, at an evaluation that meets the target (unless
+    the run goes on to the full budget), or at one that is not a number: a diverged run
+    (NaN weights) never arrives, and training it on would only spend the race's time.
+    `value` is None between evaluations."""
     if step >= max_steps:
         return True
-    if value is None or full_budget:
+    if value is None:
+        return False
+    if not math.isfinite(value):
+        return True
+    if full_budget:
         return False
     return reached(value, target, metric)
 
