@@ -10,6 +10,7 @@ OUT=benchmarks/race
 
 KFAC="spd-kfac:factor_interval=auto,inv_interval=auto"
 KFAC_ACP="spd-kfac:compression=acpsgd,rank=4,factor_interval=auto,inv_interval=auto"
+KFAC_ACP16="spd-kfac:compression=acpsgd,rank=16,factor_interval=auto,inv_interval=auto"
 # K-FAC as tuned by tune-kfac-digits-cnn: reduce factors, a 10x looser KL clip, damping 0.01
 TUNED="kl_clip=0.01,approximation=reduce,damping=0.01"
 
@@ -58,12 +59,33 @@ compressors-gpt() {  # BANDWIDTH
         --strategies "ssgd;fp16;powersgd:rank=16;torch-powersgd:rank=16;acpsgd:rank=16"
 }
 
+tune-gpt() {  # the GPT's rates: one seed (10, not a race seed), 120 steps, two races
+    # (run with --out under /tmp and copied here: their Command lines name those paths)
+    race tune-gpt-1 --workload gpt --metric loss --target 2.6 --nodes 4 --bandwidth fast \
+        --seeds 10 --max-steps 120 --eval-every 10 \
+        --strategies "ssgd+adamw@0.001;ssgd+adamw@0.003;ssgd+muon@0.003;ssgd+muon@0.01;$KFAC,$TUNED+sgd@0.02;$KFAC,$TUNED+sgd@0.1"
+    race tune-gpt-2 --workload gpt --metric loss --target 2.6 --nodes 4 --bandwidth fast \
+        --seeds 10 --max-steps 120 --eval-every 10 \
+        --strategies "ssgd+sgd@0.1;ssgd+sgd@0.3;ssgd+sgd@1.0;$KFAC,$TUNED+sgd@0.3;$KFAC_ACP16,$TUNED+sgd@0.1"
+}
+
+optimizers-gpt() {  # BANDWIDTH [SGD]: SGD only where asked (it misses the target at fast)
+    local sgd=""
+    if [[ "${2:-}" == "sgd" ]]; then sgd="ssgd+sgd@0.1;"; fi
+    race "optimizers-gpt-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --max-steps 100 --eval-every 10 \
+        --strategies "${sgd}ssgd+adamw@0.001;ssgd+muon@0.01;$KFAC,$TUNED+sgd@0.1;$KFAC_ACP16,$TUNED+sgd@0.1"
+}
+
 all() {
     tune-digits-cnn
     tune-kfac-digits-cnn
     for bw in fast slow; do optimizers-digits-cnn "$bw"; done
     for bw in slow fast; do compressors-digits-cnn "$bw"; done
     for bw in slow fast; do compressors-gpt "$bw"; done
+    tune-gpt
+    optimizers-gpt fast sgd
+    optimizers-gpt slow
 }
 
 "${@:-all}"
