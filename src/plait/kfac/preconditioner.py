@@ -425,7 +425,7 @@ class KFAC:
                 acc.uses_now = 0
 
     # ------------------------------------------------------------------ hooks
-    def _reduces(self, layer: KFACLayer) -> bool:
+    def reduces(self, layer: KFACLayer) -> bool:
         """Whether `layer` forms its factors by K-FAC-reduce (`KFACConfig.approximation`)."""
         return self.cfg.approximation is Approximation.REDUCE and layer.reducible
 
@@ -450,7 +450,7 @@ class KFAC:
             self._begin_pipeline_step()
         t0 = time.perf_counter()
         batch = batch_size(layer, x)
-        reduce = self._reduces(layer)
+        reduce = self.reduces(layer)
         with span(f"A {layer.name}", FACTOR):
             total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed,
                                       reduce_to=batch if reduce else None)  # fmt: skip
@@ -480,7 +480,7 @@ class KFAC:
         t0 = time.perf_counter()
         with torch.no_grad(), span(f"G {layer.name}", FACTOR):
             total, rows = layer.g_sum(grad.detach(), batch, packed=self.pipeline.layout.packed,
-                                      reduce=self._reduces(layer))  # fmt: skip
+                                      reduce=self.reduces(layer))  # fmt: skip
             self._add(layer, FactorKind.G, total, rows)
         self._hook_s += time.perf_counter() - t0
 

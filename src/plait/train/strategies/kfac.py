@@ -32,7 +32,7 @@ from torch import nn
 from plait.dp import compressor_class, compressor_of, data_parallel
 from plait.kfac.config import KFACConfig
 from plait.kfac.factors import precondition
-from plait.kfac.layers import Approximation, KFACLayer
+from plait.kfac.layers import KFACLayer
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
 from plait.kfac.preconditioner import KFAC, batch_size, check_model
@@ -241,7 +241,7 @@ def _compute_only_hooks(kfac: KFAC) -> Iterator[None]:
             return
         x = inputs[0].detach()
         batch = batch_size(layer, x)
-        reduce = kfac.cfg.approximation is Approximation.REDUCE and layer.reducible
+        reduce = kfac.reduces(layer)
         layer.a_sum(x, packed=kfac.pipeline.layout.packed, reduce_to=batch if reduce else None)
         if isinstance(out, torch.Tensor) and out.requires_grad:
 
