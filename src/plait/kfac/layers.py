@@ -156,10 +156,7 @@ class KFACLayer(ABC):
     ) -> FactorSum:
         """Sum of ``g g^T`` over the rows of one output gradient (`packed`: triangles);
         `reduce`: K-FAC-reduce (one row per sample of the `batch_size`)."""
-        if reduce:
-            rows = self.g_reduced(grad_output, batch_size)
-        else:
-            rows = self.g_rows(grad_output, batch_size)
+        rows = (self.g_reduced if reduce else self.g_rows)(grad_output, batch_size)
         return _outer_sum(rows, packed=packed), rows.shape[1]
 
     @abstractmethod
@@ -185,7 +182,12 @@ def _per_sample(rows: torch.Tensor, samples: int) -> torch.Tensor:
     """[groups, N, n] rows, each sample's together, as [groups, samples, N / samples, n]."""
     groups, n, dim = rows.shape
     assert samples >= 1 and n % samples == 0, f"{n} rows do not split into {samples} samples"
-    return rows.view(groups, samples, n // samples, dim)
+    return rows.reshape(groups, samples, n // samples, dim)
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """A 2-d convolution's input or output gradient with its batch dimension ([C, H, W]: one)."""
+    return t if t.dim() == 4 else t.unsqueeze(0)
 
 
 def _outer_sum(rows: torch.Tensor, *, packed: bool) -> torch.Tensor:
@@ -319,25 +321,32 @@ class Conv2dLayer(KFACLayer):
     def g_shape(self) -> FactorShape:
         return FactorShape(dim=self.module.out_channels // self.groups, groups=self.groups)
 
-    def _patches(self, x: torch.Tensor) -> torch.Tensor:
+    def _padded(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The input as the convolution sees it: batched, padded with the module's mode."""
         m = self.module
+        x = _batched(inputs)
         pad = m._reversed_padding_repeated_twice
         if any(pad):
             mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
             x = F.pad(x, pad, mode=mode)
-        cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=0, stride=m.stride)
+        return x
+
+    def _patches(self, inputs: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        cols = F.unfold(
+            self._padded(inputs), m.kernel_size, dilation=m.dilation, padding=0, stride=m.stride
+        )
         b, _, positions = cols.shape
         # [B, groups*patch, L] -> [groups, B*L, patch]
         cols = cols.view(b, self.groups, self.patch, positions).permute(1, 0, 3, 2)
         return cols.reshape(self.groups, b * positions, self.patch)
 
     def a_rows(self, inputs: torch.Tensor) -> torch.Tensor:
-        x = inputs if inputs.dim() == 4 else inputs.unsqueeze(0)
-        rows = self._patches(x)
+        rows = self._patches(inputs)
         return _with_ones(rows) if self.has_bias else rows
 
     def g_rows(self, grad_output: torch.Tensor, batch_size: int) -> torch.Tensor:
-        g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
+        g = _batched(grad_output)
         rows = g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
         return _g_rows(rows, batch_size, self.groups)
 
@@ -345,21 +354,16 @@ class Conv2dLayer(KFACLayer):
         """Each sample's mean patch, averaged from a strided view of the padded input: the
         patches are never materialised (`_patches` copies kernel-size times the input)."""
         m = self.module
-        x = inputs if inputs.dim() == 4 else inputs.unsqueeze(0)
-        pad = m._reversed_padding_repeated_twice
-        if any(pad):
-            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-            x = F.pad(x, pad, mode=mode)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         # [B, C, H', W', window_h, window_w], then the kernel's taps within each window
+        x = self._padded(inputs)
         view = x.unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)
         taps = view[..., ::dh, ::dw].mean(dim=(2, 3))  # [B, C, kh, kw]
         rows = taps.reshape(samples, self.groups, self.patch).transpose(0, 1)
         return _with_ones(rows) if self.has_bias else rows
 
     def g_reduced(self, grad_output: torch.Tensor, batch_size: int) -> torch.Tensor:
-        g = grad_output if grad_output.dim() == 4 else grad_output.unsqueeze(0)
-        return _g_rows(g.sum(dim=(2, 3)), batch_size, self.groups)
+        return _g_rows(_batched(grad_output).sum(dim=(2, 3)), batch_size, self.groups)
 
     def grad_matrix(self) -> torch.Tensor | None:
         w = self.module.weight.grad

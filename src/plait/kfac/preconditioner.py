@@ -562,9 +562,9 @@ class KFAC:
             # the step split into what every step pays and K-FAC's two amortisable parts;
             # lazy sync all-reduces the running factors only to invert them, so that wait
             # belongs to the inversion round (and factor updates between rounds are local)
-            comm_in_round = lazy and inv_step
-            factor_s = hook_s + (0.0 if comm_in_round else communicated_s) if factor_step else None
-            inv_s = self._inv_s + (communicated_s if comm_in_round else 0.0) if inv_step else None
+            round_comm_s = communicated_s if lazy and inv_step else 0.0
+            factor_s = hook_s + communicated_s - round_comm_s if factor_step else None
+            inv_s = self._inv_s + round_comm_s if inv_step else None
             total_s = time.perf_counter() - began
             base_s = total_s - (factor_s or 0.0) - (inv_s or 0.0)
             self._planner.observe(base_s, factor_s=factor_s, inversion_s=inv_s)
