@@ -8,8 +8,19 @@ per step is
 
     overhead(f, i) = factor_s / f + inversion_s / i
 
-The three costs are measured on the live run (`plait.kfac.KFAC` times each part of its
-steps; `IntervalPlanner` keeps their medians), the same on every rank once agreed.
+The three costs are measured on the live run, by difference: a plain step (neither a
+factor update nor inversions) times the base step, a factor step costs what it takes
+beyond a plain one, and an inversion step what it takes beyond a factor step. Difference,
+not the sum of K-FAC's own timed parts, because K-FAC's traffic also slows what is not
+K-FAC's: under lazy sync the running factors are all-reduced during the backward pass of
+an inversion step, on the link that carries the data-parallel gradient all-reduce, and
+that step's backward waits longer for its gradients. The GPT on the `slow` link measured
+a 5.7 s "base" step that way, against 3.1 to 3.8 s for a plain step, and kept inverting
+every step. So after the first steps at intervals (1, 1), `probe_intervals` runs a few
+steps of every kind (`IntervalPlanner` keeps the medians of each), and where a kind has
+not been seen the timed parts stand in. (Under lazy sync a factor step between rounds has
+no traffic, and less its timed factor part it is a clean base step: the lazy probe has no
+plain steps.)
 
 The rule: choose the smallest intervals whose amortised overhead stays within a fraction
 `rho` (default 0.25) of the base step (the step without K-FAC's communication and
@@ -50,6 +61,10 @@ AUTO = "auto"
 #: measurements: step 0's inversions pay one-time costs (on a 6-8-3 MLP, several times a
 #: later round's), and deciding on step 0 alone chose inv=2 where later rounds give 1.
 FIRST_DECISION_STEPS = 3
+
+#: Inversion rounds run at `probe_intervals` before the first decision: two, so each kind
+#: of step is seen at least twice and one slow step does not set the median.
+PROBE_ROUNDS = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +155,34 @@ def choose_intervals(
     return Intervals(f, i)
 
 
+def probe_intervals(
+    factor: int | None = None, inv: int | None = None, *, lazy: bool = False
+) -> Intervals:
+    """Intervals whose kinds of step give every cost by difference; a given (fixed)
+    interval is kept.
+
+    Under eager sync every factor update is exchanged, so its traffic can slow the
+    backward pass of the step: only plain steps time the base step, and the probe is
+    (2, 4). Under lazy sync a factor update between rounds is local, and a factor step
+    less its timed factor computation is a clean base step: the probe is (1, 2), which
+    keeps the factors fresh while they move fastest (on the GPT at lr 0.1, two rounds at
+    (2, 4) this early took the held-out loss from 4.7 to 9.7).
+
+    Args:
+        factor: the fixed factor interval, or None when it is chosen.
+        inv: the fixed inversion interval, or None when it is chosen.
+        lazy: the factors are exchanged only to be inverted (`FactorSync.LAZY`).
+    """
+    if factor is not None and inv is not None:
+        return Intervals(factor, inv)
+    if factor is not None:
+        return Intervals(factor, 2 * factor)
+    if inv is not None:
+        f = 1 if lazy else next((f for f in range(2, inv + 1) if inv % f == 0), 1)
+        return Intervals(f, inv)
+    return Intervals(1, 2) if lazy else Intervals(2, 4)
+
+
 @dataclass
 class IntervalPlanner:
     """`choose_intervals` plus the drift check that triggers a new decision.
@@ -158,7 +201,14 @@ class IntervalPlanner:
     window: int = 20
     decided: Intervals | None = None
     decided_on: StepCosts | None = None
+    # whole steps by kind: neither part, a factor update only, an inversion round
+    _plain: list[float] = field(default_factory=list)
+    _factor_steps: list[float] = field(default_factory=list)
+    _inv_steps: list[float] = field(default_factory=list)
+    # K-FAC's own timed parts, which stand in for a kind not seen yet: the base step of
+    # steps without inversions (clean of the round's traffic), of inversion steps
     _seen: list[float] = field(default_factory=list)
+    _seen_inv: list[float] = field(default_factory=list)
     _factor: list[float] = field(default_factory=list)
     _inversion: list[float] = field(default_factory=list)
 
@@ -176,7 +226,6 @@ class IntervalPlanner:
             costs, rho=self.rho, max_interval=self.max_interval, factor=factor, inv=inv
         )
         self.decided_on = costs
-        self._seen.clear()
         logger.info(
             "K-FAC intervals: factor=%d, inv=%d (base step %.3g s, factor update %.3g s, "
             "inversions %.3g s, budget %.0f%%)",
@@ -187,15 +236,25 @@ class IntervalPlanner:
 
     def observe(
         self,
-        base_step_s: float,
+        total_s: float,
         *,
         factor_s: float | None = None,
         inversion_s: float | None = None,
     ) -> None:
-        """Record one step's measured parts (each window keeps its latest `window`): the
-        base step always, the factor update and the inversions on the steps that had them."""
+        """Record one whole step and K-FAC's timed parts of it: `factor_s` on a step with
+        a factor update, `inversion_s` on one with an inversion round (each window keeps
+        its latest `window`)."""
+        kind = (
+            self._inv_steps
+            if inversion_s is not None
+            else self._factor_steps
+            if factor_s is not None
+            else self._plain
+        )
+        split = total_s - (factor_s or 0.0) - (inversion_s or 0.0)
         for seen, value in (
-            (self._seen, base_step_s),
+            (kind, total_s),
+            (self._seen_inv if inversion_s is not None else self._seen, split),
             (self._factor, factor_s),
             (self._inversion, inversion_s),
         ):
@@ -204,21 +263,31 @@ class IntervalPlanner:
                 del seen[: -self.window]
 
     def costs(self, priced: StepCosts) -> StepCosts:
-        """The median measured costs; a part not measured yet takes its `priced` value."""
-        return StepCosts(
-            base_step_s=statistics.median(self._seen) if self._seen else priced.base_step_s,
-            factor_s=statistics.median(self._factor) if self._factor else priced.factor_s,
-            inversion_s=(
-                statistics.median(self._inversion) if self._inversion else priced.inversion_s
-            ),
-        )
+        """The measured costs: by difference between the medians of the kinds of step
+        where both were seen, else from the timed parts, else their `priced` value.
 
-    def window_full(self) -> bool:
-        return len(self._seen) >= self.window
+        An inversion step is taken to update the factors too (the rule keeps the
+        inversion interval a multiple of the factor interval)."""
+        med = statistics.median
+        base = self.median()
+        if base is None:
+            base = priced.base_step_s
+        if self._factor_steps and self._plain:
+            factor = max(med(self._factor_steps) - base, 0.0)
+        else:
+            factor = med(self._factor) if self._factor else priced.factor_s
+        if self._inv_steps and (self._factor_steps or self._plain):
+            ref = med(self._factor_steps) if self._factor_steps else base + factor
+            inversion = max(med(self._inv_steps) - ref, 0.0)
+        else:
+            inversion = med(self._inversion) if self._inversion else priced.inversion_s
+        return StepCosts(base_step_s=base, factor_s=factor, inversion_s=inversion)
 
     def median(self) -> float | None:
-        """The median base step of the window (None while it is empty)."""
-        return statistics.median(self._seen) if self._seen else None
+        """The base step measured so far: plain steps, else the timed split of steps
+        without inversions, else of inversion steps (None before any step)."""
+        seen = self._plain or self._seen or self._seen_inv
+        return statistics.median(seen) if seen else None
 
     def drifted(self, costs: StepCosts) -> bool:
         """Whether any of `costs` is more than `drift` times off the decided-on one."""

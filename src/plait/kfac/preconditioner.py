@@ -50,9 +50,11 @@ from plait.kfac.factors import (
 from plait.kfac.intervals import (
     AUTO,
     FIRST_DECISION_STEPS,
+    PROBE_ROUNDS,
     IntervalPlanner,
     Intervals,
     StepCosts,
+    probe_intervals,
 )
 from plait.kfac.layers import (
     Approximation,
@@ -273,8 +275,9 @@ class KFAC:
         self._accumulating = False
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
-        # "auto" intervals: the planner, the intervals in force (1, 1 until the first
-        # decision, made after FIRST_DECISION_STEPS steps), when this step's forward began
+        # "auto" intervals: the planner, the intervals in force ((1, 1) for the first
+        # FIRST_DECISION_STEPS steps, then probe_intervals until the first decision), when
+        # this step's forward began
         self._planner: IntervalPlanner | None = None
         if self.cfg.auto_intervals:
             self._planner = IntervalPlanner(
@@ -283,6 +286,7 @@ class KFAC:
             )  # fmt: skip
         self.intervals = Intervals(1, 1)
         self._since_decision = 0
+        self._probe_end: int | None = None  # the step the first decision waits for
         self._forward_began: float | None = None
         # this step's measured seconds: factor computation in the hooks, inversions (with
         # the waits for their broadcasts)
@@ -566,31 +570,45 @@ class KFAC:
             factor_s = hook_s + communicated_s - round_comm_s if factor_step else None
             inv_s = self._inv_s + round_comm_s if inv_step else None
             total_s = time.perf_counter() - began
-            base_s = total_s - (factor_s or 0.0) - (inv_s or 0.0)
-            self._planner.observe(base_s, factor_s=factor_s, inversion_s=inv_s)
+            self._planner.observe(total_s, factor_s=factor_s, inversion_s=inv_s)
         if self._planner is not None:
             self._plan_intervals(self._planner)
 
     # ------------------------------------------------------------------ "auto" intervals
     def _plan_intervals(self, planner: IntervalPlanner) -> None:
-        """Decide the intervals after the first steps, and again when the costs drift.
+        """Probe after the first steps, decide the intervals, and again when costs drift.
 
-        Each step is timed from its first hooked forward to the end of `step` and split
-        into a factor update (the factor computations in the hooks and, under eager sync,
-        the wait for their all-reduce, on factor steps), an inversion round (the
-        decompositions and the waits for their broadcasts, and under lazy sync the wait for
-        the all-reduce of the running factors, on inversion steps) and the base step (the
-        rest: forward, backward, preconditioning). Measured, not priced: on small layers a
-        decomposition's fixed cost is hundreds of times what an n^3 model says (digits CNN:
-        12 ms measured, 0.09 ms priced), and priced costs then keep K-FAC inverting every
-        step. Until a part has been measured, its price from `self.costs` stands in. The
-        medians differ by rank, so they are agreed over the group (the largest: the slowest
-        rank sets the pace), at step counts every rank reaches together (after
-        `FIRST_DECISION_STEPS`, then every `auto_window` steps).
+        Each step is timed from its first hooked forward to the end of `step`, and the
+        planner prices a factor update and an inversion round by how much longer their
+        steps take than plain ones (`plait.kfac.intervals`). The first
+        `FIRST_DECISION_STEPS` steps run at (1, 1) (fresh inverses while the factors
+        settle); then `probe_intervals` runs `PROBE_ROUNDS` inversion rounds with plain and
+        factor steps between them, and the first decision follows. Until a kind of step has
+        been seen, K-FAC's own timed parts (factor computations in the hooks, the waits for
+        the exchanges, the decompositions) stand in, and before those their price from
+        `self.costs`. The medians differ by rank, so they are agreed over the group (the
+        largest: the slowest rank sets the pace), at step counts every rank reaches
+        together (the end of the probe, then every `auto_window` steps).
         """
         if self.assignment is None or self.steps < FIRST_DECISION_STEPS:
             return
-        if planner.decided is not None:
+        fixed_f, fixed_i = self.cfg.factor_interval, self.cfg.inv_interval
+        # the config allows "auto" beside a constant only (never beside a callable)
+        fixed = {
+            "factor": fixed_f if isinstance(fixed_f, int) else None,
+            "inv": fixed_i if isinstance(fixed_i, int) else None,
+        }
+        if planner.decided is None:
+            if self._probe_end is None:
+                lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
+                probe = probe_intervals(**fixed, lazy=lazy)
+                self._probe_end = self.steps + (
+                    PROBE_ROUNDS * probe.inv if probe != self.intervals else 0
+                )
+                self.intervals = probe
+            if self.steps < self._probe_end:
+                return
+        else:
             self._since_decision += 1
             if self._since_decision < planner.window:
                 return
@@ -601,13 +619,7 @@ class KFAC:
             return
         if planner.decided is not None:
             logger.info("K-FAC's measured costs drifted: deciding the intervals again")
-        # the config allows "auto" beside a constant only (never beside a callable)
-        fixed_f, fixed_i = self.cfg.factor_interval, self.cfg.inv_interval
-        self.intervals = planner.decide(
-            costs,
-            factor=fixed_f if isinstance(fixed_f, int) else None,
-            inv=fixed_i if isinstance(fixed_i, int) else None,
-        )
+        self.intervals = planner.decide(costs, **fixed)
         self._since_decision = 0
 
     def _agree_max(self, costs: StepCosts) -> StepCosts:
