@@ -162,11 +162,11 @@ def test_steps_of_each_kind_price_by_difference() -> None:
 
 def test_the_probe_has_every_kind_of_step_and_keeps_a_fixed_interval() -> None:
     """Under eager sync the probe has plain, factor and inversion steps."""
+
     def kinds(iv: Intervals) -> set[str]:
         steps = range(FIRST_DECISION_STEPS, FIRST_DECISION_STEPS + PROBE_ROUNDS * iv.inv)
         return {
-            "inv" if t % iv.inv == 0 else "factor" if t % iv.factor == 0 else "plain"
-            for t in steps
+            "inv" if t % iv.inv == 0 else "factor" if t % iv.factor == 0 else "plain" for t in steps
         }
 
     assert probe_intervals() == Intervals(2, 4)
