@@ -69,12 +69,14 @@ tune-gpt() {  # the GPT's rates: one seed (10, not a race seed), 120 steps, two 
         --strategies "ssgd+sgd@0.1;ssgd+sgd@0.3;ssgd+sgd@1.0;$KFAC,$TUNED+sgd@0.3;$KFAC_ACP16,$TUNED+sgd@0.1"
 }
 
-optimizers-gpt() {  # BANDWIDTH [SGD]: SGD only where asked (it misses the target at fast)
-    local sgd=""
+optimizers-gpt() {  # BANDWIDTH [SGD]: SGD only where asked (it misses the target at fast);
+    # at slow also K-FAC/ACP-SGD sending its factors in bf16 (half the round's bytes)
+    local sgd="" bf16=""
     if [[ "${2:-}" == "sgd" ]]; then sgd="ssgd+sgd@0.1;"; fi
+    if [[ "$1" == "slow" ]]; then bf16=";$KFAC_ACP16,$TUNED,comm_dtype=bf16+sgd@0.1"; fi
     race "optimizers-gpt-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
         --bandwidth "$1" --max-steps 100 --eval-every 10 \
-        --strategies "${sgd}ssgd+adamw@0.001;ssgd+muon@0.01;$KFAC,$TUNED+sgd@0.1;$KFAC_ACP16,$TUNED+sgd@0.1"
+        --strategies "${sgd}ssgd+adamw@0.001;ssgd+muon@0.01;$KFAC,$TUNED+sgd@0.1;$KFAC_ACP16,$TUNED+sgd@0.1$bf16"
 }
 
 all() {
