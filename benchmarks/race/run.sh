@@ -45,6 +45,12 @@ kfac-budget-digits-cnn() {  # BANDWIDTH: K-FAC's overhead budget (auto_overhead)
         --strategies "ssgd+adamw@0.01;$KFAC,auto_overhead=0.1+sgd@0.02;$KFAC+sgd@0.02;$KFAC,auto_overhead=0.5+sgd@0.02"
 }
 
+kfac-budget-tuned-digits-cnn() {  # BANDWIDTH: tuned K-FAC's overhead budget 0.1-0.5
+    race "kfac-budget-tuned-digits-cnn-$1" --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth "$1" --max-steps 600 --eval-every 5 \
+        --strategies "ssgd+adamw@0.01;$KFAC,$TUNED,auto_overhead=0.1+sgd@0.02;$KFAC,$TUNED+sgd@0.02;$KFAC,$TUNED,auto_overhead=0.5+sgd@0.02"
+}
+
 compressors-digits-cnn() {  # BANDWIDTH
     race "compressors-digits-cnn-$1" --workload digits-cnn --target 0.97 --nodes 4 \
         --bandwidth "$1" --max-steps 600 --eval-every 5 --optimizer sgd --lr 0.1 \
@@ -83,6 +89,7 @@ all() {
     tune-digits-cnn
     tune-kfac-digits-cnn
     for bw in fast slow; do optimizers-digits-cnn "$bw"; done
+    kfac-budget-tuned-digits-cnn fast
     for bw in slow fast; do compressors-digits-cnn "$bw"; done
     for bw in slow fast; do compressors-gpt "$bw"; done
     tune-gpt

@@ -250,8 +250,8 @@ def test_summary_and_reports_without_a_cluster(tmp_path: Path) -> None:
 def test_race_on_two_nodes(tmp_path: Path) -> None:
     """2 entries x 2 seeds on a 2-node cluster (emulated, or loopback without
     CAP_NET_ADMIN), 24 steps: S-SGD at lr 0.1 on digits passes 60% held-out accuracy within
-    16 steps at batch 16 on every seed tried, so 0.5 is reachable; Muon's run is only
-    checked for consistency."""
+    16 steps at batch 16 on every seed tried, so 0.5 is reachable; Muon's and K-FAC's runs
+    are only checked for consistency, and K-FAC's records the intervals it decided."""
     spec = RaceSpec(
         workload="mlp",
         target=0.5,
@@ -263,13 +263,25 @@ def test_race_on_two_nodes(tmp_path: Path) -> None:
         entries=[
             Entry(spec="ssgd", optimizer="sgd", lr=0.1),
             Entry(spec="ssgd", optimizer="muon", lr=0.01),
+            Entry(spec="spd-kfac:factor_interval=auto,inv_interval=auto", optimizer="sgd",
+                  lr=0.02),
         ],
-    )
+    )  # fmt: skip
     results = run_race(
         spec, nodes=2, out=tmp_path, timeout_s=300, progress=False, command="test race"
     )
-    assert [r.label for r in results] == ["ssgd+sgd", "ssgd+muon"]
-    sgd, muon = results
+    assert [r.label for r in results] == [
+        "ssgd+sgd",
+        "ssgd+muon",
+        "spd-kfac:factor_interval=auto,inv_interval=auto+sgd",
+    ]
+    sgd, muon, kfac = results
+    for run in kfac.runs:  # (1, 1) before the first step; then what "auto" had decided
+        intervals = [p.kfac_intervals for p in run.curve]
+        assert intervals[0] == [1, 1]
+        assert all(iv is not None and 1 <= iv[0] <= iv[1] and iv[1] % iv[0] == 0
+                   for iv in intervals)  # fmt: skip
+    assert all(p.kfac_intervals is None for r in (sgd, muon) for run in r.runs for p in run.curve)
     assert sgd.reached == 2 and sgd.time_ratio == 1.0
     for res in results:
         assert set(res.to_dict()) >= RESULT_FIELDS

@@ -14,8 +14,8 @@ from plait.comm.stats import Collective
 from plait.kfac import KFAC, KFACConfig
 from plait.kfac.costs import KFACCosts
 from plait.kfac.intervals import (
-    FIRST_DECISION_STEPS,
     PROBE_ROUNDS,
+    WARMUP_STEPS,
     IntervalPlanner,
     Intervals,
     StepCosts,
@@ -164,7 +164,7 @@ def test_the_probe_has_every_kind_of_step_and_keeps_a_fixed_interval() -> None:
     """Under eager sync the probe has plain, factor and inversion steps."""
 
     def kinds(iv: Intervals) -> set[str]:
-        steps = range(FIRST_DECISION_STEPS, FIRST_DECISION_STEPS + PROBE_ROUNDS * iv.inv)
+        steps = range(WARMUP_STEPS, WARMUP_STEPS + PROBE_ROUNDS * iv.inv)
         return {
             "inv" if t % iv.inv == 0 else "factor" if t % iv.factor == 0 else "plain" for t in steps
         }
@@ -236,9 +236,9 @@ def test_kfac_decides_after_the_probe_from_measured_costs(
             _train(kfac, model, 8)
         assert kfac.intervals == Intervals(1, expect)
         assert kfac.at("inv_interval", 8) == expect
-        # the first three steps invert (FIRST_DECISION_STEPS), the probe at (1, 2) runs
-        # steps 3 to 6 (inverting at 4 and 6), then every `expect` steps from step 7
-        assert kfac.stats.inversions == 4 * (6 if expect == 1 else 5)
+        # step 0 inverts (WARMUP_STEPS), the probe at (1, 2) runs steps 1 to 4
+        # (inverting at 2 and 4), then every `expect` steps from step 5
+        assert kfac.stats.inversions == 4 * (6 if expect == 1 else 3)
         assert kfac.state_dict()["intervals"] == [1, expect]
         kfac.remove()
 
@@ -271,7 +271,7 @@ def test_the_factor_all_reduce_counts_where_it_is_waited_for(sync: str) -> None:
 
     kfac.pipeline.begin_step = begin  # type: ignore[method-assign]
     kfac.pipeline.end_step = slow_end_step  # type: ignore[method-assign]
-    _train(kfac, model, FIRST_DECISION_STEPS + PROBE_ROUNDS * probe_intervals().inv)
+    _train(kfac, model, WARMUP_STEPS + PROBE_ROUNDS * probe_intervals().inv)
     assert kfac._planner is not None
     costs = kfac._planner.decided_on
     assert costs is not None
@@ -289,7 +289,7 @@ def test_kfac_decides_again_when_the_base_step_drifts() -> None:
     cfg = KFACConfig(inv_interval="auto", auto_window=2, probe=False)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     kfac = KFAC(model, cfg, costs=costs)
-    _train(kfac, model, FIRST_DECISION_STEPS + PROBE_ROUNDS * 2)  # probe (1, 2)
+    _train(kfac, model, WARMUP_STEPS + PROBE_ROUNDS * 2)  # probe (1, 2)
     planner = kfac._planner
     assert planner is not None and planner.decided_on is not None
     measured = planner.decided_on.base_step_s
@@ -324,7 +324,7 @@ def _decide_on_two_ranks(rank: int, world: int) -> tuple[Intervals, float]:
             return _a_sum(*args, **kw)
 
         layer.a_sum = slow_a_sum  # type: ignore[method-assign]
-    _train(kfac, model, FIRST_DECISION_STEPS + PROBE_ROUNDS * probe_intervals().inv)
+    _train(kfac, model, WARMUP_STEPS + PROBE_ROUNDS * probe_intervals().inv)
     assert kfac._planner is not None and kfac._planner.decided_on is not None
     return kfac.intervals, kfac._planner.decided_on.base_step_s
 

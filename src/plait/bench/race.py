@@ -53,6 +53,7 @@ from plait.comm import stats as comm_stats
 from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
 from plait.specs import split_specs
 from plait.train.loop import OPTIMIZERS, TrainConfig, Trainer
+from plait.train.strategies.kfac import KFACStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,9 @@ class RacePoint:
     test_loss: float
     test_accuracy: float
     train_loss: float | None
+    #: K-FAC's factor and inversion intervals in force at this point (``"auto"`` decides
+    #: them as it goes); None for an entry without K-FAC
+    kfac_intervals: list[int] | None = None
 
 
 @dataclass(kw_only=True)
@@ -456,6 +460,7 @@ class _Runner:
             test_loss=metrics["test_loss"],
             test_accuracy=metrics["test_accuracy"],
             train_loss=self.last_loss,
+            kfac_intervals=self._kfac_intervals(),
         )
         self.curve.append(point)
         if self.hit is None and self.spec.reached(point.metric):
@@ -469,6 +474,14 @@ class _Runner:
             full_budget=self.spec.full_budget,
         )
         return point.metric
+
+    def _kfac_intervals(self) -> list[int] | None:
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, KFACStrategy) or strategy.kfac is None:
+            return None
+        kfac = strategy.kfac
+        step = kfac.steps
+        return [int(kfac.at("factor_interval", step)), int(kfac.at("inv_interval", step))]
 
     def advance(self, steps: int, bar: Any) -> None:
         """Train up to `steps` steps (evaluating on schedule) unless the run is done."""

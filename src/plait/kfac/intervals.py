@@ -16,7 +16,7 @@ K-FAC's: under lazy sync the running factors are all-reduced during the backward
 an inversion step, on the link that carries the data-parallel gradient all-reduce, and
 that step's backward waits longer for its gradients. The GPT on the `slow` link measured
 a 5.7 s "base" step that way, against 3.1 to 3.8 s for a plain step, and kept inverting
-every step. So after the first steps at intervals (1, 1), `probe_intervals` runs a few
+every step. So after the first step, at intervals (1, 1), `probe_intervals` runs a few
 steps of every kind (`IntervalPlanner` keeps the medians of each), and where a kind has
 not been seen the timed parts stand in. (Under lazy sync a factor step between rounds has
 no traffic, and less its timed factor part it is a clean base step: the lazy probe has no
@@ -57,10 +57,12 @@ logger = logging.getLogger(__name__)
 #: The value of `KFACConfig.factor_interval` / `inv_interval` asking for this rule.
 AUTO = "auto"
 
-#: Steps at intervals (1, 1) before the first decision, which takes the medians of their
-#: measurements: step 0's inversions pay one-time costs (on a 6-8-3 MLP, several times a
-#: later round's), and deciding on step 0 alone chose inv=2 where later rounds give 1.
-FIRST_DECISION_STEPS = 3
+#: Steps at intervals (1, 1) before the probe, and left out of the measurements: step 0
+#: pays one-time costs (the buckets and placement are planned, on a 6-8-3 MLP its
+#: inversions cost several times a later round's). One is enough: at 3 the digits CNN's
+#: races spent 0.25-0.5 s in their first 10 steps (40-60 ms a step, AdamW's 22-27 ms) of
+#: the 1.5-1.9 s they took to the target.
+WARMUP_STEPS = 1
 
 #: Inversion rounds run at `probe_intervals` before the first decision: two, so each kind
 #: of step is seen at least twice and one slow step does not set the median.

@@ -49,8 +49,8 @@ from plait.kfac.factors import (
 )
 from plait.kfac.intervals import (
     AUTO,
-    FIRST_DECISION_STEPS,
     PROBE_ROUNDS,
+    WARMUP_STEPS,
     IntervalPlanner,
     Intervals,
     StepCosts,
@@ -276,7 +276,7 @@ class KFAC:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._handles: list[Any] = []
         # "auto" intervals: the planner, the intervals in force ((1, 1) for the first
-        # FIRST_DECISION_STEPS steps, then probe_intervals until the first decision), when
+        # WARMUP_STEPS steps, then probe_intervals until the first decision), when
         # this step's forward began
         self._planner: IntervalPlanner | None = None
         if self.cfg.auto_intervals:
@@ -562,7 +562,7 @@ class KFAC:
         self.stats.steps += 1
         self._micro = 0
         hook_s, self._hook_s = self._hook_s, 0.0
-        if self._planner is not None and began is not None:
+        if self._planner is not None and began is not None and t >= WARMUP_STEPS:
             # the step split into what every step pays and K-FAC's two amortisable parts;
             # lazy sync all-reduces the running factors only to invert them, so that wait
             # belongs to the inversion round (and factor updates between rounds are local)
@@ -580,17 +580,17 @@ class KFAC:
 
         Each step is timed from its first hooked forward to the end of `step`, and the
         planner prices a factor update and an inversion round by how much longer their
-        steps take than plain ones (`plait.kfac.intervals`). The first
-        `FIRST_DECISION_STEPS` steps run at (1, 1) (fresh inverses while the factors
-        settle); then `probe_intervals` runs `PROBE_ROUNDS` inversion rounds with plain and
-        factor steps between them, and the first decision follows. Until a kind of step has
+        steps take than plain ones (`plait.kfac.intervals`). The first `WARMUP_STEPS`
+        steps run at (1, 1), unmeasured (one-time costs); then `probe_intervals` runs
+        `PROBE_ROUNDS` inversion rounds with plain and factor steps between them, and the
+        first decision follows. Until a kind of step has
         been seen, K-FAC's own timed parts (factor computations in the hooks, the waits for
         the exchanges, the decompositions) stand in, and before those their price from
         `self.costs`. The medians differ by rank, so they are agreed over the group (the
         largest: the slowest rank sets the pace), at step counts every rank reaches
         together (the end of the probe, then every `auto_window` steps).
         """
-        if self.assignment is None or self.steps < FIRST_DECISION_STEPS:
+        if self.assignment is None or self.steps < WARMUP_STEPS:
             return
         fixed_f, fixed_i = self.cfg.factor_interval, self.cfg.inv_interval
         # the config allows "auto" beside a constant only (never beside a callable)
