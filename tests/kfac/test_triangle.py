@@ -27,11 +27,13 @@ def test_bands_cover_the_triangle_once(n: int) -> None:
 
 @pytest.mark.parametrize("n", DIMS)
 @pytest.mark.parametrize("groups", [1, 3])
-def test_syrk_is_the_packed_gram_matrix(n: int, groups: int) -> None:
+@pytest.mark.parametrize("tiled", [True, False])
+def test_syrk_is_the_packed_gram_matrix(n: int, groups: int, tiled: bool) -> None:
+    """Tiled (the CPU's path) and dense then gathered (the CUDA path) alike."""
     # float64 so that the only difference to a dense matmul is summation order (~1e-15).
     rows = torch.randn(groups, 37, n, dtype=torch.float64)
     dense = rows.transpose(1, 2) @ rows
-    flat = triangle.syrk(rows)
+    flat = triangle.syrk(rows, dense=not tiled)
     assert flat.shape == (groups * triangle.packed_numel(n),)
     torch.testing.assert_close(flat, triangle.pack(dense))
     torch.testing.assert_close(triangle.unpack(flat, n, groups), dense)

@@ -576,19 +576,19 @@ class KFAC:
 
     # ------------------------------------------------------------------ "auto" intervals
     def _plan_intervals(self, planner: IntervalPlanner) -> None:
-        """Probe after the first steps, decide the intervals, and again when costs drift.
+        """Probe after the warm-up, decide the intervals, and again when the costs drift.
 
         Each step is timed from its first hooked forward to the end of `step`, and the
         planner prices a factor update and an inversion round by how much longer their
         steps take than plain ones (`plait.kfac.intervals`). The first `WARMUP_STEPS`
         steps run at (1, 1), unmeasured (one-time costs); then `probe_intervals` runs
         `PROBE_ROUNDS` inversion rounds with plain and factor steps between them, and the
-        first decision follows. Until a kind of step has
-        been seen, K-FAC's own timed parts (factor computations in the hooks, the waits for
-        the exchanges, the decompositions) stand in, and before those their price from
-        `self.costs`. The medians differ by rank, so they are agreed over the group (the
-        largest: the slowest rank sets the pace), at step counts every rank reaches
-        together (the end of the probe, then every `auto_window` steps).
+        first decision follows (a resumed run probes again: the link may differ). Until a
+        kind of step has been seen, K-FAC's own timed parts (factor computations in the
+        hooks, the waits for the exchanges, the decompositions) stand in, and before those
+        their price from `self.costs`. The medians differ by rank, so they are agreed over
+        the group (the largest: the slowest rank sets the pace), at step counts every rank
+        reaches together (the end of the probe, then every `auto_window` steps).
         """
         if self.assignment is None or self.steps < WARMUP_STEPS:
             return

@@ -200,6 +200,7 @@ class BucketPlan:
     dense_slots: list[int]
     dense_numel: int
     dtype: torch.dtype
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     wire: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def factor_numel(self, which: str) -> int:
@@ -211,7 +212,7 @@ class BucketPlan:
         buf = self.wire.get(key)
         if buf is None:
             size = self.factor_numel(which) + (self.dense_numel if dense else 0)
-            buf = torch.empty(size, dtype=self.dtype)
+            buf = torch.empty(size, dtype=self.dtype, device=self.device)
             self.wire[key] = buf
         return buf
 
@@ -281,6 +282,7 @@ class LowRankStore:
 
     def _build(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> BucketPlan:
         dtype = grads[0].dtype if grads else torch.float32
+        device = grads[0].device if grads else torch.device("cpu")
         by_shape: dict[tuple[int, int, int], list[int]] = {}
         dense: list[int] = []
         for i, (name, g) in enumerate(zip(names, grads, strict=True)):
@@ -290,7 +292,15 @@ class LowRankStore:
             else:
                 by_shape.setdefault((*matrix_shape(g.shape), r), []).append(i)
         groups = [
-            self._group(n=n, m=m, r=r, slots=slots, names=[names[i] for i in slots], dtype=dtype)
+            self._group(
+                n=n,
+                m=m,
+                r=r,
+                slots=slots,
+                names=[names[i] for i in slots],
+                dtype=dtype,
+                device=device,
+            )
             for (n, m, r), slots in by_shape.items()
         ]
         return BucketPlan(
@@ -298,10 +308,19 @@ class LowRankStore:
             dense_slots=dense,
             dense_numel=sum(grads[i].numel() for i in dense),
             dtype=dtype,
+            device=device,
         )
 
     def _group(
-        self, *, n: int, m: int, r: int, slots: list[int], names: list[str], dtype: torch.dtype
+        self,
+        *,
+        n: int,
+        m: int,
+        r: int,
+        slots: list[int],
+        names: list[str],
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> MatrixGroup:
         k = len(slots)
         g = MatrixGroup(
@@ -310,9 +329,9 @@ class LowRankStore:
             r=r,
             slots=slots,
             names=names,
-            error=torch.zeros(k, n, m, dtype=dtype),
-            p=torch.empty(k, r, n, dtype=dtype),
-            q=torch.empty(k, r, m, dtype=dtype),
+            error=torch.zeros(k, n, m, dtype=dtype, device=device),
+            p=torch.empty(k, r, n, dtype=dtype, device=device),
+            q=torch.empty(k, r, m, dtype=dtype, device=device),
         )
         for j, name in enumerate(names):
             old = self.params.get(name)

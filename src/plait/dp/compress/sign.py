@@ -9,13 +9,30 @@ signs, so the buffers travel by all-gather and every worker averages the decoded
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch._C._distributed_c10d import GradBucket
 
 from plait.comm import all_gather, wait, world_size
 from plait.dp.compress.feedback import ErrorFeedbackCompressor
 from plait.trace import COMPRESS, span, tracer
+
+#: Bit weights of one byte, most significant first (numpy's ``packbits`` order).
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def packbits(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` (bool, 1-d) as bytes, eight entries each, most significant bit first, on its
+    own device (numpy's ``packbits`` works on host memory only)."""
+    pad = (-mask.numel()) % 8
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (m * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpackbits(data: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` bits of `data` (uint8, 1-d), most significant first, as 0/1 uint8."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=data.device)
+    return ((data.unsqueeze(-1) >> shifts) & 1).view(-1)[:count]
 
 
 class SignSGD(ErrorFeedbackCompressor):
@@ -37,10 +54,10 @@ class SignSGD(ErrorFeedbackCompressor):
             err.add_(buf)  # corrected gradient
             parts = list(err.split(sizes))
             scales = torch.stack(torch._foreach_norm(parts, 1)).float() / torch.tensor(
-                sizes, dtype=torch.float32
+                sizes, dtype=torch.float32, device=err.device
             )
             positive = err >= 0
-            bits = torch.from_numpy(np.packbits(positive.numpy()))
+            bits = packbits(positive)
             # error := corrected - scale * sign
             signs = positive.to(err.dtype).mul_(2).sub_(1)
             torch._foreach_mul_(list(signs.split(sizes)), scales.tolist())
@@ -56,8 +73,7 @@ class SignSGD(ErrorFeedbackCompressor):
             all_scales = raw.view(torch.float32).view(p, len(sizes)) / p  # [p, tensors]
             buf.zero_()
             for i in range(p):  # one worker at a time: no [p, n] decoded copy
-                unpacked = np.unpackbits(gathered[i, head:].numpy(), count=n)
-                decoded = torch.from_numpy(unpacked).to(buf.dtype).mul_(2).sub_(1)
+                decoded = unpackbits(gathered[i, head:], n).to(buf.dtype).mul_(2).sub_(1)
                 torch._foreach_mul_(list(decoded.split(sizes)), all_scales[i].tolist())
                 buf.add_(decoded)
             tracer.add(f"decompress b{index}", COMPRESS, start, tracer.now_us())

@@ -212,7 +212,9 @@ class TorchPowerSGD(Compressor):
         for parts in segs.values():
             for part, (o, n) in parts.items():
                 sizes[part] = max(sizes[part], o + n)
-        flat = {part: torch.zeros(n, dtype=dtype) for part, n in sizes.items()}
+        flat = {
+            part: torch.zeros(n, dtype=dtype, device=grads[0].device) for part, n in sizes.items()
+        }
         for name, parts in segs.items():
             for part, (o, n) in parts.items():
                 saved = per_param[name].get(part)
