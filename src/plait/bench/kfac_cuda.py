@@ -96,7 +96,7 @@ def measure(
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         kfac = None
         if options is not None:
-            cfg = KFACConfig(damping=0.01, factor_interval=1, lr=0.01, **options)
+            cfg = KFACConfig(damping=0.01, factor_interval=1, lr=0.01, probe=False, **options)
             kfac = KFAC(model, cfg, optimizer=opt)
         runs.append(_Run(label, model, opt, kfac))
     for step in range(warmup + steps):
