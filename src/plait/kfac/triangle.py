@@ -76,7 +76,8 @@ def _triu_index(b: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 @lru_cache(maxsize=256)
 def _band_index(n: int, device: str) -> torch.Tensor:
-    """Flat positions in an n x n matrix of the band layout's entries, in layout order."""
+    """Flat positions in an n x n matrix of the band layout's entries, in layout order
+    (for ``n <= TILE``, the upper triangle's, row-major)."""
     parts = []
     for i, j, _ in bands(n):
         upper, _ = _triu_index(j - i, "cpu")
@@ -107,13 +108,9 @@ def syrk(rows: torch.Tensor, *, dense: bool | None = None) -> torch.Tensor:
     groups, _, n = rows.shape
     if dense is None:
         dense = rows.is_cuda
-    if dense and n > TILE:
+    if dense or n <= TILE:  # one batched product, the layout gathered from it at once
         full = torch.bmm(rows.transpose(1, 2), rows).view(groups, n * n)
         return full.index_select(1, _band_index(n, str(rows.device))).view(-1)
-    if n <= TILE:  # one band: one batched product, its upper triangles gathered at once
-        upper, _ = _triu_index(n, str(rows.device))
-        full = torch.bmm(rows.transpose(1, 2), rows).view(groups, n * n)
-        return full.index_select(1, upper).view(-1)
     out = rows.new_empty(groups * packed_numel(n))
     for band in _walk(n, groups):
         x, i, j = rows[band.group], band.start, band.stop
