@@ -266,6 +266,37 @@ def broadcast(
     )
 
 
+def all_to_all(
+    tensor: torch.Tensor,
+    *,
+    group: Group = None,
+    name: str = "all_to_all",
+    async_op: bool = True,
+) -> torch.futures.Future[torch.Tensor]:
+    """Exchange equal chunks: rank j receives chunk i of rank i's flat `tensor` as chunk i
+    of its output (``[world, numel / world]``, yielded by the future).
+
+    Raises:
+        ValueError: the length does not divide by the world size.
+    """
+    p = world_size(group)
+    if p == 1:
+        return _done_future(tensor.reshape(1, -1).clone())
+    if tensor.numel() % p:
+        raise ValueError(f"all_to_all needs numel divisible by {p}, got {tensor.numel()}")
+    src = tensor.reshape(-1).contiguous()
+    out = torch.empty_like(src)
+    return _issue(
+        Collective.ALL_TO_ALL,
+        src,
+        out.view(p, -1),
+        lambda: dist.all_to_all_single(out, src, group=group, async_op=True),
+        group=group,
+        name=name,
+        async_op=async_op,
+    )
+
+
 def reduce_scatter(
     tensor: torch.Tensor,
     *,

@@ -18,6 +18,8 @@ from plait.comm.fusion import (
     ddp_bucket_caps_mb,
 )
 from plait.dp.compress import AllReduce, Compressor, compressor_class
+from plait.dp.local import METHODS as LOCAL_METHODS
+from plait.dp.local import LocalUpdate, local_update
 from plait.persist import from_plain, to_plain
 from plait.specs import parse_spec
 
@@ -108,8 +110,9 @@ def data_parallel(
     find_unused_parameters: bool = False,
     gradient_as_bucket_view: bool = True,
     **options: Any,
-) -> DistributedDataParallel:
-    """Wrap `model` in DDP and register the named compressor as its comm hook.
+) -> DistributedDataParallel | LocalUpdate:
+    """Wrap `model` in DDP and register the named compressor as its comm hook, or, for a
+    local-update method (``"diloco"``, ``"localsgd"``), in `plait.dp.local.LocalUpdate`.
 
     The gradient buckets are planned by `plait.comm`'s fusion planner on the bytes each
     parameter actually sends, with a threshold of `bucket_cap_mb` scaled by the
@@ -133,6 +136,12 @@ def data_parallel(
     0's residuals, which is logged as a warning. The state of ``ddp.module.state_dict()``
     (the bare model) has no compressor state. `compressor_of` gives the compressor itself.
 
+    Local-update methods (``data_parallel(model, "diloco", inner_steps=50)``) take
+    `plait.dp.local.LocalConfig`'s fields as options (``fragments``, ``delay``,
+    ``compression``, ...) and ignore the DDP bucket options; the loop stays as it is (the
+    outer step runs inside ``optimizer.step()``). Their ``state_dict()`` holds the outer
+    state under ``"plait_local"``; save it, and the inner optimizer's, on every rank.
+
     Args:
         model: the module to train; its parameters must live on one device.
         compression: a compressor name (``"ssgd"``, ``"acpsgd"``, ...), a spec with its
@@ -152,6 +161,14 @@ def data_parallel(
     """
     if not dist.is_initialized():
         raise ValueError("data_parallel needs an initialised process group (run under torchrun)")
+    if isinstance(compression, str):
+        method, spec_options = parse_spec(compression)
+        if method in LOCAL_METHODS:
+            twice = sorted(spec_options.keys() & options.keys())
+            if twice:
+                raise ValueError(f"option(s) {twice} given both in {compression!r} and as keywords")
+            merged: dict[str, Any] = {**spec_options, **options}
+            return local_update(model, method, group=group, **merged)
     if not isinstance(model, nn.Module):
         raise ValueError(f"data_parallel expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, DistributedDataParallel):

@@ -414,15 +414,16 @@ class Trainer:
             n -= n % self.dp_size
         shard = Subset(self.data.test, range(self.dp_rank, n, self.dp_size))
         sums = torch.zeros(3, dtype=torch.float64)
-        for xb, yb in DataLoader(shard, batch_size=256):
-            x, y = xb.to(self.device), yb.to(self.device)
-            out = self.strategy.eval_forward(self.model, x, y)
-            if out is None:  # e.g. a pipeline stage before the last
-                continue
-            correct, count = self.wl.correct(out, y)
-            sums += torch.tensor(
-                [float(self.wl.loss(out, y)) * count, correct, count], dtype=torch.float64
-            )
+        with self.strategy.eval_context(self.model):
+            for xb, yb in DataLoader(shard, batch_size=256):
+                x, y = xb.to(self.device), yb.to(self.device)
+                out = self.strategy.eval_forward(self.model, x, y)
+                if out is None:  # e.g. a pipeline stage before the last
+                    continue
+                correct, count = self.wl.correct(out, y)
+                sums += torch.tensor(
+                    [float(self.wl.loss(out, y)) * count, correct, count], dtype=torch.float64
+                )
         if self.world > 1:
             dist.all_reduce(sums)
         loss_sum, correct, count = sums.tolist()

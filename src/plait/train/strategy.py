@@ -35,6 +35,7 @@ from plait.workloads import Batch
 #: Modules that register strategies when imported (looked up on first use).
 _PLUGINS = (
     "plait.train.strategies.dp",
+    "plait.train.strategies.local",
     "plait.train.strategies.kfac",
     "plait.train.strategies.parallel",
 )
@@ -93,6 +94,11 @@ class Strategy(ABC):
         """The model's output for evaluation; None where this rank has none (a pipeline's
         first stages)."""
         return self.unwrap(model)(x)  # type: ignore[no-any-return]
+
+    def eval_context(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context around a whole evaluation: the parameters evaluation should see (a
+        local-update strategy swaps in the shared copy the workers agree on)."""
+        return contextlib.nullcontext()
 
     def checkpoint_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer

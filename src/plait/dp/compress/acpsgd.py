@@ -32,6 +32,8 @@ fp16/bf16 gradients work, and the state checkpoints per parameter.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch._C._distributed_c10d import GradBucket
 
@@ -70,35 +72,16 @@ class ACPSGD(LowRankCompressor):
             buf.div_(p)
             fut = all_reduce(buf, group=self.group, name=f"allreduce b{index}")
             return fut.then(lambda f: self._warm_factors(plan, grads, wait(f)))
-        which = phase.value
-        wire = plan.wire_buffer(which)
-        sends = plan.factor_views(wire, which)
-        with span(f"compress b{index}", COMPRESS, phase=which):
-            for g, send in zip(plan.groups, sends, strict=True):
-                torch._foreach_add_(g.errors, g.matrices(grads))  # error := M + error
-                if phase is Phase.P:
-                    torch.bmm(g.q, g.error.transpose(1, 2), out=send)  # P^T = Q^T M^T
-                else:
-                    torch.bmm(g.p, g.error, out=send)  # Q^T = P^T M
-            plan.pack_dense(grads, wire)
+        wire = plan.wire_buffer(phase.value)
+        with span(f"compress b{index}", COMPRESS, phase=phase.value):
+            sends = encode(plan, grads, phase, wire)
             wire.div_(p)
         fut = all_reduce(wire, group=self.group, name=f"allreduce b{index}")
 
         def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             wait(f)  # re-raise a failed all-reduce
             start = tracer.now_us()
-            for g, avg in zip(plan.groups, sends, strict=True):
-                mats = g.matrices(grads)
-                if phase is Phase.P:
-                    for j, mat in enumerate(mats):
-                        write_product_(mat, avg[j].t(), g.q[j])
-                    orthonormalize_rows_(g.p.copy_(avg))  # next step's basis
-                else:
-                    for j, mat in enumerate(mats):
-                        write_product_(mat, g.p[j].t(), avg[j])
-                    orthonormalize_rows_(g.q.copy_(avg))
-                torch._foreach_sub_(g.errors, mats)  # error := M - averaged approximation
-            plan.unpack_dense(grads, wire)
+            decode(plan, grads, phase, sends, wire)
             tracer.add(f"decompress b{index}", COMPRESS, start, tracer.now_us())
             return bucket.buffer()
 
@@ -125,3 +108,44 @@ class ACPSGD(LowRankCompressor):
                 torch.mm(g.p[j], mat, out=g.q[j])
             orthonormalize_rows_(g.q)
         return buf
+
+
+def encode(
+    plan: BucketPlan, grads: Sequence[torch.Tensor], phase: Phase, wire: torch.Tensor
+) -> list[torch.Tensor]:
+    """One ACP-SGD compression into `wire`: per matrix group, error := M + error and the
+    factor of `phase` (P = M Q or Q = M^T P on the last averaged basis), then the
+    uncompressed tensors. Returns the groups' factor views of `wire`."""
+    sends = plan.factor_views(wire, phase.value)
+    for g, send in zip(plan.groups, sends, strict=True):
+        torch._foreach_add_(g.errors, g.matrices(grads))  # error := M + error
+        if phase is Phase.P:
+            torch.bmm(g.q, g.error.transpose(1, 2), out=send)  # P^T = Q^T M^T
+        else:
+            torch.bmm(g.p, g.error, out=send)  # Q^T = P^T M
+    plan.pack_dense(grads, wire)
+    return sends
+
+
+def decode(
+    plan: BucketPlan,
+    grads: Sequence[torch.Tensor],
+    phase: Phase,
+    sends: Sequence[torch.Tensor],
+    wire: torch.Tensor,
+) -> None:
+    """Write the averaged approximation of every matrix (and the averaged uncompressed
+    tensors) from the all-reduced `wire` into `grads`; keep error := M - approximation and
+    the averaged factor, orthonormalised, as the next step's basis."""
+    for g, avg in zip(plan.groups, sends, strict=True):
+        mats = g.matrices(grads)
+        if phase is Phase.P:
+            for j, mat in enumerate(mats):
+                write_product_(mat, avg[j].t(), g.q[j])
+            orthonormalize_rows_(g.p.copy_(avg))  # next step's basis
+        else:
+            for j, mat in enumerate(mats):
+                write_product_(mat, g.p[j].t(), avg[j])
+            orthonormalize_rows_(g.q.copy_(avg))
+        torch._foreach_sub_(g.errors, mats)  # error := M - averaged approximation
+    plan.unpack_dense(grads, wire)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_gather, wait, world_size
+from plait.comm import all_gather, wait
 from plait.dp.compress.base import check_positive
 from plait.dp.compress.feedback import ErrorFeedbackCompressor
 from plait.trace import COMPRESS, span, tracer
@@ -43,24 +43,36 @@ class TopK(ErrorFeedbackCompressor):
     def hook(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         index = bucket.index()
         buf = bucket.buffer()
-        p = world_size(self.group)
         err = self.errors.of(bucket, lambda ps: [self.param_name(t) for t in ps])
         k = max(1, math.ceil(self.ratio * buf.numel()))
         with span(f"compress b{index}", COMPRESS):
             err.add_(buf)  # corrected gradient
-            idx = torch.topk(err.abs(), k, sorted=False).indices
-            values = err[idx].float()
-            err[idx] = 0  # what is sent leaves the error
-            wire = torch.cat([values.view(torch.int32), idx.to(torch.int32)])
+            wire = select_topk_(err, k)
         fut = all_gather(wire, group=self.group, name=f"allgather b{index}")
 
         def decompress(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             start = tracer.now_us()
-            gathered = wait(f)  # [p, 2k]: values (as int32 bits) then indices
-            vals = gathered[:, :k].reshape(-1).clone().view(torch.float32).div_(p)
-            buf.zero_()
-            buf.index_add_(0, gathered[:, k:].reshape(-1).long(), vals.to(buf.dtype))
+            scatter_topk_(buf, wait(f), k)
             tracer.add(f"decompress b{index}", COMPRESS, start, tracer.now_us())
             return buf
 
         return fut.then(decompress)
+
+
+def select_topk_(err: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` largest entries of flat `err` by magnitude as one int32 wire buffer (values'
+    float32 bits, then indices); what is sent leaves `err`, which keeps the rest."""
+    idx = torch.topk(err.abs(), k, sorted=False).indices
+    values = err[idx].float()
+    err[idx] = 0
+    return torch.cat([values.view(torch.int32), idx.to(torch.int32)])
+
+
+def scatter_topk_(out: torch.Tensor, gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """`out` := the average of the workers' sparse tensors in `gathered` ([p, 2k] rows of
+    `select_topk_`), summing entries that several workers sent."""
+    p = gathered.shape[0]
+    vals = gathered[:, :k].reshape(-1).clone().view(torch.float32).div_(p)
+    out.zero_()
+    out.index_add_(0, gathered[:, k:].reshape(-1).long(), vals.to(out.dtype))
+    return out
