@@ -47,7 +47,7 @@ def local_update(
     method: str = "diloco",
     *,
     group: Any = None,
-    outer_optimizer: OuterFactory | None = None,
+    outer_factory: OuterFactory | None = None,
     **options: Any,
 ) -> LocalUpdate:
     """Wrap `model` for local-update training (`method`: ``diloco`` or ``localsgd``).
@@ -56,7 +56,7 @@ def local_update(
         ValueError: as `local_config` and `LocalUpdate`.
     """
     return LocalUpdate(
-        model, local_config(method, **options), group=group, outer_optimizer=outer_optimizer
+        model, local_config(method, **options), group=group, outer_factory=outer_factory
     )
 
 

@@ -61,7 +61,7 @@ _STATE_FORMAT = 1
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
-def outer_factory(config: LocalConfig) -> OuterFactory:
+def default_outer_factory(config: LocalConfig) -> OuterFactory:
     """The outer optimizer `config` names, as a factory over a fragment's tensors."""
     lr, mom = config.outer_lr, config.outer_momentum
     if config.outer_optimizer is OuterOptimizer.NESTEROV:
@@ -87,8 +87,9 @@ class LocalUpdate(nn.Module):
         module: the model to train; its parameters must live on one device.
         config: the method's settings (`LocalConfig`); default: DiLoCo with H = 50.
         group: process group (None: the default group).
-        outer_optimizer: a factory building the outer optimizer over a list of tensors
-            (one per fragment); default: the one `config` names.
+        outer_factory: builds the outer optimizer over a list of tensors (one per
+            fragment), for an optimizer `OuterOptimizer` does not name; default: the
+            one `config` names.
 
     Raises:
         ValueError: no process group, no trainable parameters, parameters on several
@@ -101,7 +102,7 @@ class LocalUpdate(nn.Module):
         config: LocalConfig | None = None,
         *,
         group: Any = None,
-        outer_optimizer: OuterFactory | None = None,
+        outer_factory: OuterFactory | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -130,7 +131,7 @@ class LocalUpdate(nn.Module):
         self._broadcast_from_rank0()
         #: the shared copy the outer optimizer steps (one tensor per parameter)
         self.shared = [p.detach().clone() for p in self.params]
-        make = outer_optimizer or outer_factory(cfg)
+        make = outer_factory or default_outer_factory(cfg)
         self.outer = [make([self.shared[i] for i in idx]) for idx in parts]
         self.codec = make_codec(cfg)
         self.queue = CollectiveQueue(name="outer", timeout_s=cfg.timeout_s) if cfg.delay else None
