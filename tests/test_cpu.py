@@ -43,3 +43,16 @@ def test_without_proc_stat_nothing_is_sampled(
     with CpuSampler(period_s=0.01) as s:
         time.sleep(0.05)
     assert s.samples == [] and s.busy(0.0, time.time()) is None
+
+
+def test_float_pins_need_avx2_and_fma(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(cpu, "_CPUINFO", info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n")
+    assert cpu.cpu_flags() >= {"avx2", "fma"}
+    assert cpu.float_pins() == cpu.AVX2_PINS
+    assert cpu.float_pins() is not cpu.AVX2_PINS  # a copy: callers may add to it
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx\n")
+    assert cpu.float_pins() == {}
+    info.unlink()
+    assert cpu.cpu_flags() == set() and cpu.float_pins() == {}

@@ -321,7 +321,7 @@ def _bytes(text: str) -> int:
 
 
 def _add_race_parser(sub: Any) -> None:
-    from plait.bench.race import METRICS
+    from plait.bench.race import DEFAULT_SEEDS, METRICS
     from plait.train.loop import OPTIMIZERS
 
     ra = sub.add_parser(
@@ -349,8 +349,9 @@ def _add_race_parser(sub: Any) -> None:
     ra.add_argument(
         "--target",
         type=float,
-        required=True,
-        help="held-out value to reach: accuracy 0.95, or a loss with --metric loss",
+        default=None,
+        help="held-out value to reach: accuracy 0.95, or a loss with --metric loss "
+        "(required, except with --report)",
     )
     ra.add_argument(
         "--metric",
@@ -361,8 +362,9 @@ def _add_race_parser(sub: Any) -> None:
     ra.add_argument(
         "--seeds",
         type=_ints,
-        default=(0, 1, 2),
-        help="one run per entry per seed, medians over them (at least 3 advised)",
+        default=DEFAULT_SEEDS,
+        help="one run per entry per seed, medians over them and bootstrap intervals on "
+        "every ratio (default: five seeds, the fewest that make a verdict)",
     )
     ra.add_argument("--max-steps", type=int, default=500, help="step budget per run")
     ra.add_argument(
@@ -398,6 +400,20 @@ def _add_race_parser(sub: Any) -> None:
     )
     ra.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
     ra.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ra.add_argument(
+        "--compare",
+        default="",
+        metavar="A/B;C/D",
+        help="also report these ratios of entries' median times to target, each with its "
+        "bootstrap interval and verdict (labels as the table names them)",
+    )
+    ra.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="train nothing: re-read DIR/results.json, add the intervals and verdicts (and "
+        "--compare's ratios) and rewrite DIR/results.md",
+    )
     _add_cluster_args(ra)
     ra.set_defaults(nodes=4)
 
@@ -736,8 +752,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_race(args: argparse.Namespace) -> int:
-    from plait.bench.race import markdown, run_race
+    from plait.bench.race import (
+        annotate,
+        markdown,
+        parse_pairs,
+        read_results,
+        run_race,
+        write_reports,
+    )
 
+    pairs = parse_pairs(args.compare)
+    if args.report:
+        folder = Path(args.report)
+        old = annotate(read_results(folder / "results.json"))
+        write_reports(old, folder, pairs)
+        print(markdown(old, pairs), end="")
+        print(f"rewrote {folder / 'results.md'} and {folder / 'results.png'}")
+        return 0
     spec = _race_spec(args)
     out = Path(args.out) if args.out else None
     print(
@@ -756,8 +787,9 @@ def cmd_race(args: argparse.Namespace) -> int:
         out=out,
         timeout_s=args.timeout or 6 * 3600,
         progress=not args.no_progress,
+        compare_pairs=pairs,
     )
-    print(markdown(results), end="")
+    print(markdown(results, pairs), end="")
     if out is not None:
         print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
     return 0
@@ -1276,6 +1308,19 @@ def _race_spec(args: argparse.Namespace) -> Any:
 
 
 def _validate_race(args: argparse.Namespace) -> None:
+    from plait.bench.race import compare, parse_pairs, read_results
+
+    pairs = parse_pairs(args.compare)
+    if args.report:
+        results = Path(args.report) / "results.json"
+        if not results.is_file():
+            raise ValueError(f"--report {args.report!r}: no results.json there")
+        old = read_results(results)
+        for a, b in pairs:
+            compare(old, a, b)  # unknown labels fail here, in one line
+        return
+    if args.target is None:
+        raise ValueError("--target is required (a held-out accuracy, or a loss with --metric loss)")
     _check_cluster_args(args)
     for flag in ("max_steps", "eval_every", "chunk", "batch_size"):
         _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
@@ -1289,6 +1334,13 @@ def _validate_race(args: argparse.Namespace) -> None:
     if "," in args.workload:
         raise ValueError(f"--workload {args.workload!r}: a race takes one workload")
     spec = _race_spec(args)
+    labels = {e.label for e in spec.entries}
+    for pair in pairs:
+        unknown = [x for x in pair if x not in labels]
+        if unknown:
+            raise ValueError(
+                f"--compare: no entry {unknown[0]!r}; entries: {', '.join(sorted(labels))}"
+            )
     from plait.train.strategy import Strategy, make_strategy
     from plait.workloads import get_workload
 

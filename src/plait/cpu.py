@@ -1,4 +1,5 @@
-"""How busy the host's CPUs were over a window of wall-clock time.
+"""How busy the host's CPUs were over a window of wall-clock time, and which kernels its
+floating-point libraries dispatch to.
 
 Co-location can only turn idle CPU time into progress: when the cores are already busy
 with one arrangement of jobs, another can gain at most the idle share (unless it also
@@ -10,11 +11,48 @@ two wall-clock instants, e.g. the window in which co-located jobs are measured.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from pathlib import Path
 
 _STAT = Path("/proc/stat")
+_CPUINFO = Path("/proc/cpuinfo")
+logger = logging.getLogger(__name__)
+
+#: The environment that pins torch's CPU kernels to their AVX2 code paths: ATen's
+#: vectorised kernels, MKL's BLAS (conditional numerical reproducibility, strict) and
+#: oneDNN's convolutions. Each library otherwise picks the widest instructions the CPU
+#: has (AVX-512 on some hosts of a kind, AVX2 on others), and kernels of different width
+#: sum in different orders: the same run then drifts apart by rounding within a few steps
+#: (measured in benchmarks/race/float-dispatch). Pinned, every host with AVX2 and FMA runs
+#: the same instructions; with one thread per worker (`plait race` runs its workers so)
+#: the sums' order no longer depends on the host.
+AVX2_PINS: dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2,STRICT",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``), empty where unreadable."""
+    try:
+        for line in _CPUINFO.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def float_pins() -> dict[str, str]:
+    """`AVX2_PINS` where the CPU has AVX2 and FMA, else nothing (with a warning: results
+    then depend on this host's kernels)."""
+    if {"avx2", "fma"} <= cpu_flags():
+        return dict(AVX2_PINS)
+    logger.warning("this CPU lacks AVX2/FMA: its floating-point kernels are not pinned")
+    return {}
 
 
 def read_jiffies() -> tuple[int, int] | None:

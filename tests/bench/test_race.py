@@ -14,13 +14,17 @@ from plait.bench.race import (
     RacePoint,
     RaceRun,
     RaceSpec,
+    compare,
     median_range,
     parse_entry,
     parse_lr_map,
+    parse_pairs,
+    ratio_interval,
     read_results,
     run_race,
     should_stop,
     summarise,
+    verdict,
     write_reports,
 )
 
@@ -240,10 +244,67 @@ def test_summary_and_reports_without_a_cluster(tmp_path: Path) -> None:
     md = (tmp_path / "results.md").read_text()
     assert "`plait race --target 0.9`" in md and "evaluation excluded" in md
     assert "| acpsgd:rank=4+sgd | 0.1 | 2/3 | 7.50 [5.00-never] | 30 [20-never] |" in md
-    assert "0.25x |" in md
+    # 0.25x: an interval over three seeds, with a miss, that does not exclude 1
+    acp_row = next(line for line in md.splitlines() if line.startswith("| acpsgd"))
+    assert "| 0.25x [" in acp_row and acp_row.endswith(f"| {acp.verdict} |")
+    assert acp.bytes_per_step == pytest.approx(1e6)
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "results.png").stat().st_size > 10_000  # two panels of lines, not blank
     assert read_results(tmp_path / "results.json") == [base, acp]  # to re-plot or compare
+
+
+def test_ratio_interval_pairs_seeds_and_counts_misses_as_never() -> None:
+    # every seed twice as fast: the ratio and both ends of its interval are 0.5
+    assert ratio_interval([1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 6.0, 8.0, 10.0]) == (
+        0.5,
+        0.5,
+        0.5,
+    )
+    assert verdict(0.5, 0.5) == "faster" and verdict(1.1, 2.0) == "slower"
+    assert verdict(0.8, 1.2) == "no verdict" and verdict(None, None) == "no verdict"
+    # seeds that disagree: the interval spans 1, whatever the point ratio says
+    ratio, lo, hi = ratio_interval([1.0, 3.0, 1.0, 3.0, 2.0], [2.0, 2.0, 2.0, 2.0, 2.0])
+    assert ratio == 1.0 and lo is not None and hi is not None and lo < 1 < hi
+    # a miss is never: a numerator that misses on most seeds is infinitely slow
+    assert ratio_interval([None, None, None, 1.0, 1.0], [1.0] * 5)[0] == math.inf
+    # both never on every seed: no ratio and no interval
+    assert ratio_interval([None, None], [None, None]) == (None, None, None)
+    # the same results give the same interval (a seeded generator)
+    times = ([1.0, 2.5, 2.0, 4.0, 3.0], [2.0, 2.0, 3.0, 3.5, 5.0])
+    assert ratio_interval(*times) == ratio_interval(*times)
+    with pytest.raises(ValueError, match="paired"):
+        ratio_interval([1.0], [1.0, 2.0])
+
+
+def test_compare_pairs_and_report_of_old_results(tmp_path: Path) -> None:
+    assert parse_pairs("a+sgd/b+sgd; c:rank=4/d") == [("a+sgd", "b+sgd"), ("c:rank=4", "d")]
+    with pytest.raises(ValueError, match="expected A/B"):
+        parse_pairs("a+sgd")
+    spec = RaceSpec(
+        workload="mlp",
+        target=0.9,
+        seeds=[0, 1, 2, 3, 4],
+        max_steps=40,
+        entries=[Entry(spec="ssgd", optimizer="sgd", lr=0.1), Entry(spec="fp16", optimizer="sgd")],
+    )
+    runs = [_run("ssgd+sgd", s, 20, per_step_s=1.0 + s / 10) for s in range(5)]
+    runs += [_run("fp16+sgd", s, 20, per_step_s=0.5 + s / 20) for s in range(5)]
+    results = summarise(spec, runs, nodes=2, nproc_per_node=1, batch_size=8)
+    c = compare(results, "fp16+sgd", "ssgd+sgd")
+    assert c.ratio == pytest.approx(0.5) and c.verdict == "faster" and c.seeds == 5
+    with pytest.raises(ValueError, match="no race entry 'adam'"):
+        compare(results, "adam", "ssgd+sgd")
+    # results written before intervals existed: --report adds them
+    for r in results:
+        r.time_ratio_lo = r.time_ratio_hi = r.verdict = r.bytes_per_step = None
+    write_reports(results, tmp_path)
+    from plait import cli
+
+    assert cli.main(["race", "--report", str(tmp_path), "--compare", "fp16+sgd/ssgd+sgd"]) == 0
+    again = read_results(tmp_path / "results.json")
+    assert again[1].verdict == "faster" and again[1].time_ratio_hi is not None
+    md = (tmp_path / "results.md").read_text()
+    assert "| fp16+sgd / ssgd+sgd | 0.50x [0.50-0.50] | 5 | faster |" in md
 
 
 # --------------------------------------------------------- the runner on a cluster
@@ -330,6 +391,9 @@ def test_cli_refuses_before_building_a_cluster(
         (["--target", "0.9", "--strategies", "ssgd+lion"], "unknown optimizer 'lion'"),
         (["--target", "0.9", "--lr", "adam=0.1"], "--lr adam=...: no such entry"),
         (["--target", "0.9", "--seeds", "1,1"], "a seed given twice"),
+        ([], "--target is required"),
+        (["--target", "0.9", "--compare", "ssgd+sgd/adam"], "--compare: no entry 'adam'"),
+        (["--report", "/nonexistent"], "no results.json there"),
     ):
         with pytest.raises(SystemExit) as exc:
             cli.main(["race", *argv])

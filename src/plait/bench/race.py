@@ -26,6 +26,13 @@ worker, summed over the run.
 Seeds run one after another in the same job; per entry, the report gives the median over
 seeds with min and max. A seed that never reaches the target counts as infinitely slow,
 so the median is "not reached" when at least half the seeds miss.
+
+What makes a verdict: two hosts of the same kind gave the same race different step
+counts (a target decided by one or two samples of a small test split, and floating-point
+results that depend on the kernels the CPU dispatches to). So a race runs at least five
+seeds by default, its workers pin the CPU kernels (`plait.cpu.float_pins`), every ratio of
+times carries a bootstrap interval over the seeds (`ratio_interval`), and a ratio is
+called a win (or a loss) only when its interval excludes 1 (`verdict`).
 """
 
 from __future__ import annotations
@@ -50,12 +57,21 @@ from torch.utils.data import DataLoader, Subset
 
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
+from plait.cpu import float_pins
 from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
 from plait.specs import split_specs
 from plait.train.loop import OPTIMIZERS, TrainConfig, Trainer
 from plait.train.strategies.kfac import KFACStrategy
 
 logger = logging.getLogger(__name__)
+
+#: Seeds of a race by default: five, the fewest that give a bootstrap interval over seeds
+#: some meaning (with three, a single seed decides a median).
+DEFAULT_SEEDS = (0, 1, 2, 3, 4)
+#: Bootstrap resamples behind every interval, and the interval's coverage. The resampling
+#: generator is seeded, so the same results always give the same interval.
+BOOTSTRAP_RESAMPLES = 10_000
+CONFIDENCE = 0.95
 
 #: Held-out metrics a race can target: the evaluation key and whether higher is better.
 METRICS: dict[str, tuple[str, bool]] = {
@@ -188,7 +204,7 @@ class RaceSpec:
     entries: list[Entry]
     target: float
     metric: str = "accuracy"
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: list[int] = field(default_factory=lambda: list(DEFAULT_SEEDS))
     max_steps: int = 500
     eval_every: int = 10
     chunk: int = 10
@@ -356,6 +372,13 @@ class RaceResult:
     chunk: int
     full_budget: bool
     runs: list[RaceRun]
+    #: `time_ratio`'s bootstrap interval over the seeds (`ratio_interval`), and what it
+    #: says (`verdict`); None where the ratio is undefined
+    time_ratio_lo: float | None = None
+    time_ratio_hi: float | None = None
+    verdict: str | None = None
+    #: median over seeds of the bytes each worker sent per training step
+    bytes_per_step: float | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -582,6 +605,94 @@ def median_range(values: Sequence[float | None]) -> tuple[float | None, float | 
     return finite(med), finite(min(xs)), finite(max(xs))
 
 
+def ratio_interval(
+    a: Sequence[float | None],
+    b: Sequence[float | None],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> tuple[float | None, float | None, float | None]:
+    """Median of `a` over median of `b` (times by seed, paired: ``a[i]`` and ``b[i]`` ran
+    from the same seed), with a percentile bootstrap interval over the seeds.
+
+    None is a run that never reached the target (+infinity, as in `median_range`). Each
+    resample draws the seeds with replacement and takes the ratio of the two medians; a
+    resample where both medians are "never" has no ratio. The interval is None when more
+    than the interval's tails (1 - `confidence`) of the resamples have none.
+
+    Returns:
+        (ratio, low, high); ratio is None when both medians are "never", and infinite
+        (or 0) when only the numerator's (the denominator's) is.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"ratio_interval needs paired, non-empty times, got {len(a)}, {len(b)}")
+    xa = np.array([math.inf if v is None else float(v) for v in a])
+    xb = np.array([math.inf if v is None else float(v) for v in b])
+
+    def ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.asarray(num / den, dtype=float)
+
+    point = float(ratio(np.median(xa), np.median(xb)))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(xa), size=(resamples, len(xa)))
+    boot = ratio(np.median(xa[idx], axis=1), np.median(xb[idx], axis=1))
+    tail = (1 - confidence) / 2
+    lo: float | None = None
+    hi: float | None = None
+    if np.isnan(boot).mean() <= 2 * tail:
+        lo_v, hi_v = np.nanquantile(boot, [tail, 1 - tail])
+        lo, hi = float(lo_v), float(hi_v)
+    return (None if math.isnan(point) else point), lo, hi
+
+
+def verdict(lo: float | None, hi: float | None) -> str:
+    """What an interval of a time ratio (a over b) says: ``faster`` when it lies wholly
+    below 1, ``slower`` wholly above, ``no verdict`` when it holds 1 (or is undefined)."""
+    if lo is None or hi is None:
+        return "no verdict"
+    if hi < 1:
+        return "faster"
+    if lo > 1:
+        return "slower"
+    return "no verdict"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Entry `a`'s time to target over entry `b`'s, with its interval and verdict."""
+
+    a: str
+    b: str
+    ratio: float | None
+    lo: float | None
+    hi: float | None
+    verdict: str
+    seeds: int
+
+
+def compare(results: Sequence[RaceResult], a: str, b: str) -> Comparison:
+    """`a`'s median time to target over `b`'s (labels), paired over their common seeds.
+
+    Raises:
+        ValueError: an unknown label, or no seed both ran.
+    """
+    by_label = {r.label: r for r in results}
+    for label in (a, b):
+        if label not in by_label:
+            raise ValueError(f"no race entry {label!r}; entries: {', '.join(by_label)}")
+    ta = {r.seed: r.time_to_target_s for r in by_label[a].runs}
+    tb = {r.seed: r.time_to_target_s for r in by_label[b].runs}
+    seeds = sorted(ta.keys() & tb.keys())
+    if not seeds:
+        raise ValueError(f"entries {a!r} and {b!r} share no seed")
+    ratio, lo, hi = ratio_interval([ta[x] for x in seeds], [tb[x] for x in seeds])
+    return Comparison(
+        a=a, b=b, ratio=ratio, lo=lo, hi=hi, verdict=verdict(lo, hi), seeds=len(seeds)
+    )
+
+
 def summarise(
     spec: RaceSpec,
     runs: Sequence[RaceRun],
@@ -600,6 +711,7 @@ def summarise(
         s_med, s_min, s_max = median_range([r.steps_to_target for r in mine])
         f_med, f_min, f_max = median_range([r.final_metric for r in mine])
         b_med, b_min, b_max = median_range([r.bytes_per_worker for r in mine])
+        per_step, _, _ = median_range([r.bytes_per_worker / max(1, r.steps) for r in mine])
         assert f_med is not None and b_med is not None  # measured on every run
         results.append(
             RaceResult(
@@ -636,12 +748,24 @@ def summarise(
                 chunk=spec.chunk,
                 full_budget=spec.full_budget,
                 runs=mine,
+                bytes_per_step=per_step,
             )
         )
-    base = results[0].time_to_target_s
+    return annotate(results)
+
+
+def annotate(results: list[RaceResult]) -> list[RaceResult]:
+    """Set every entry's time ratio to the first entry's, its interval and verdict, and
+    its bytes per step, from the runs (also for results written before these existed)."""
     for r in results:
-        if base and r.time_to_target_s is not None:
-            r.time_ratio = r.time_to_target_s / base
+        c = compare(results, r.label, results[0].label)
+        both = r.time_to_target_s is not None and results[0].time_to_target_s is not None
+        r.time_ratio = c.ratio if both else None
+        r.time_ratio_lo, r.time_ratio_hi, r.verdict = c.lo, c.hi, c.verdict
+        if r.bytes_per_step is None:
+            r.bytes_per_step, _, _ = median_range(
+                [x.bytes_per_worker / max(1, x.steps) for x in r.runs]
+            )
     return results
 
 
@@ -653,8 +777,20 @@ def _span(med: float | None, lo: float | None, hi: float | None, fmt: str) -> st
     return f"{format(med, fmt)} [{format(lo or 0.0, fmt)}-{hi_text}]"
 
 
-def markdown(results: Sequence[RaceResult]) -> str:
-    """The race as a Markdown table: medians over seeds with [min-max]."""
+def _ratio_text(ratio: float | None, lo: float | None, hi: float | None) -> str:
+    if ratio is None:
+        return "-"
+    text = f"{ratio:.2f}x" if math.isfinite(ratio) else "never"
+    if lo is None or hi is None:
+        return f"{text} [undefined]"
+    hi_text = f"{hi:.2f}" if math.isfinite(hi) else "never"
+    return f"{text} [{lo:.2f}-{hi_text}]"
+
+
+def markdown(results: Sequence[RaceResult], compare_pairs: Sequence[tuple[str, str]] = ()) -> str:
+    """The race as a Markdown table: medians over seeds with [min-max], every entry's time
+    against the first entry's with its bootstrap interval and verdict, then the
+    `compare_pairs` (a, b) as a table of their own."""
     if not results:
         return "No race results.\n"
     r0 = results[0]
@@ -662,31 +798,60 @@ def markdown(results: Sequence[RaceResult]) -> str:
     net = r0.bandwidth or "unshaped"
     if r0.rate and r0.rate != r0.bandwidth:
         net += f" = {r0.rate}"
+    pct = round(100 * CONFIDENCE)
     lines = [
         f"Race on `{r0.workload}` to held-out {r0.metric} {goal} {r0.target:g}: "
         f"{r0.nodes} node(s) x {r0.nproc_per_node}, {net}, batch {r0.batch_size} per worker, "
         f"budget {r0.max_steps} steps, evaluated every {r0.eval_every} steps, entries "
         f"interleaved {r0.chunk} steps at a time; seeds {', '.join(map(str, r0.seeds))}.",
         "Times are training only (evaluation excluded); median over seeds [min-max]; a seed "
-        "that misses the target counts as never.",
+        f"that misses the target counts as never. Ratios of median times carry a {pct}% "
+        "bootstrap interval over the seeds; a verdict needs the interval to exclude 1.",
         "",
         f"| entry | lr | reached | time to target (s) | steps to target | final {r0.metric} "
-        f"| MB sent per worker | time vs {r0.label} |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| MB sent per worker | MB per step | time vs {r0.label} [{pct}% CI] | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        ratio = "-" if r.time_ratio is None else f"{r.time_ratio:.2f}x"
         mb_min, mb_max = r.bytes_per_worker_min / 1e6, r.bytes_per_worker_max / 1e6
         steps = _span(r.steps_to_target, r.steps_to_target_min, r.steps_to_target_max, ".0f")
+        per_step = "-" if r.bytes_per_step is None else f"{r.bytes_per_step / 1e6:.3f}"
+        ratio = "1.00x" if r is r0 else _ratio_text(r.time_ratio, r.time_ratio_lo, r.time_ratio_hi)
         lines.append(
             f"| {r.label} | {r.lr:g} | {r.reached}/{len(r.seeds)} "
             f"| {_span(r.time_to_target_s, r.time_to_target_min_s, r.time_to_target_max_s, '.2f')} "
             f"| {steps} "
             f"| {_span(r.final_metric, r.final_metric_min, r.final_metric_max, '.4f')} "
             f"| {_span(r.bytes_per_worker / 1e6, mb_min, mb_max, '.1f')} "
-            f"| {ratio} |"
+            f"| {per_step} | {ratio} | {'-' if r is r0 else (r.verdict or '-')} |"
         )
+    if compare_pairs:
+        lines += [
+            "",
+            f"| comparison | ratio of median times [{pct}% CI] | seeds | verdict |",
+            "|---|---|---|---|",
+        ]
+        for a, b in compare_pairs:
+            c = compare(results, a, b)
+            lines.append(
+                f"| {a} / {b} | {_ratio_text(c.ratio, c.lo, c.hi)} | {c.seeds} | {c.verdict} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """``A/B;C/D`` (labels as the table names them) as [(A, B), (C, D)].
+
+    Raises:
+        ValueError: an item without exactly one ``/`` between two labels.
+    """
+    pairs = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        a, sep, b = item.rpartition("/")
+        if not sep or not a.strip() or not b.strip():
+            raise ValueError(f"--compare {item!r}: expected A/B (two entry labels)")
+        pairs.append((a.strip(), b.strip()))
+    return pairs
 
 
 def _median_run(runs: Sequence[RaceRun]) -> RaceRun:
@@ -749,12 +914,14 @@ def plot(results: Sequence[RaceResult], path: Path) -> Path:
     return save_figure(fig, path, dpi=120, outside=[legend])
 
 
-def write_reports(results: Sequence[RaceResult], out: Path) -> None:
+def write_reports(
+    results: Sequence[RaceResult], out: Path, compare_pairs: Sequence[tuple[str, str]] = ()
+) -> None:
     """results.json (one record per entry with its runs), results.md and results.png."""
     write_json(results, out / "results.json")
     command = results[0].provenance.get("command", "") if results else ""
     head = f"# Race\n\nCommand: `{command}`\n\n" if command else "# Race\n\n"
-    write_markdown(head + markdown(results), out / "results.md")
+    write_markdown(head + markdown(results, compare_pairs), out / "results.md")
     plot(results, out / "results.png")
 
 
@@ -771,11 +938,14 @@ def run_race(
     timeout_s: float | None = 6 * 3600,
     command: str | None = None,
     progress: bool = True,
+    compare_pairs: Sequence[tuple[str, str]] = (),
 ) -> list[RaceResult]:
     """Build the emulated cluster, run the race as one job on it, write reports to `out`.
 
     `spec.bandwidth` is the network setting (a named setting, a tc rate, or empty for an
-    unshaped network); the cluster is torn down afterwards whatever happens.
+    unshaped network); the cluster is torn down afterwards whatever happens. The workers
+    run with the CPU kernels pinned (`plait.cpu.float_pins`, recorded with the results).
+    `compare_pairs` are pairs of entry labels whose ratio the report also gives.
 
     Raises:
         ValueError: a bad spec (raised before any cluster exists).
@@ -785,6 +955,11 @@ def run_race(
     from plait.cluster import Cluster, NetworkSpec, launch
 
     spec = RaceSpec(**{**asdict(spec)})  # re-validated, as the workers will read it
+    labels = {e.label for e in spec.entries}
+    for a, b in compare_pairs:
+        for label in (a, b):
+            if label not in labels:
+                raise ValueError(f"--compare: no entry {label!r}; entries: {', '.join(labels)}")
     net = NetworkSpec(bandwidth=spec.bandwidth or None, latency=latency, loss=loss)
     spec.rate = net.rate or ""
     cfg = spec.train_config(spec.entries[0], spec.seeds[0])
@@ -800,6 +975,7 @@ def run_race(
     # the code that runs: the tree as the race starts, not as it ends (a long race may
     # outlive edits to the working tree)
     meta = provenance(command=command)
+    pins = float_pins()
     with Cluster.create(nodes=nodes, network=net) as cluster:
         logger.info(
             "race %s on %d node(s) x %d (%s): %s",
@@ -817,6 +993,7 @@ def run_race(
             threads=threads,
             timeout_s=timeout_s,
             log_dir=work / "logs",
+            env=pins,
         )
     if not result.ok or not res_path.exists():
         logger.error("%s", result.tail())
@@ -826,9 +1003,9 @@ def run_race(
     runs = [_run_from_dict(d) for d in json.loads(res_path.read_text())]
     results = summarise(spec, runs, nodes=nodes, nproc_per_node=nproc_per_node, batch_size=batch)
     for r in results:
-        r.provenance = {**meta, "latency": latency, "loss": loss}
+        r.provenance = {**meta, "latency": latency, "loss": loss, "float_pins": pins}
     if out is not None:
-        write_reports(results, out)
+        write_reports(results, out, compare_pairs)
     return results
 
 

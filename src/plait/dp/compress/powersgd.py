@@ -18,7 +18,7 @@ backward carries on. The queue talks on its own process group, so DDP's own coll
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch._C._distributed_c10d import GradBucket
 from plait.comm import CollectiveQueue, all_reduce, wait, world_size
 from plait.distributed import new_group
 from plait.dp.compress.lowrank import (
+    BucketPlan,
     LowRankCompressor,
     Phase,
     orthonormalize_rows_,
@@ -109,33 +110,19 @@ class PowerSGD(LowRankCompressor):
         plan = self.plan(bucket, grads)
         p_wire = plan.wire_buffer("p")
         q_wire = plan.wire_buffer("q", dense=False)
-        ps = plan.factor_views(p_wire, "p")
-        qs = plan.factor_views(q_wire, "q")
         with span(f"compress b{index}", COMPRESS, phase="p"):
-            for g, send in zip(plan.groups, ps, strict=True):
-                torch._foreach_add_(g.errors, g.matrices(grads))  # error := M + error
-                orthonormalize_rows_(g.q)  # warm start from last step's Q
-                torch.bmm(g.q, g.error.transpose(1, 2), out=send)  # P^T = Q^T M^T
-            plan.pack_dense(grads, p_wire)
+            ps = encode_p(plan, grads, p_wire)
             p_wire.div_(p)
 
         def pipeline() -> torch.Tensor:
             wait(all_reduce(p_wire, group=group, name=f"allreduce P b{index}"))
             with span(f"compress Q b{index}", COMPRESS):
-                for g, pt, qt in zip(plan.groups, ps, qs, strict=True):
-                    orthonormalize_rows_(pt)
-                    torch.bmm(pt, g.error, out=qt)  # Q^T = P^T M
+                qs = encode_q(plan, ps, q_wire)
                 q_wire.div_(p)
             if q_wire.numel():
                 wait(all_reduce(q_wire, group=group, name=f"allreduce Q b{index}"))
             start = tracer.now_us()
-            for g, pt, qt in zip(plan.groups, ps, qs, strict=True):
-                mats = g.matrices(grads)
-                for j, mat in enumerate(mats):
-                    write_product_(mat, pt[j].t(), qt[j])
-                torch._foreach_sub_(g.errors, mats)  # error := M - P Q^T
-                g.q.copy_(qt)
-            plan.unpack_dense(grads, p_wire)
+            decode(plan, grads, ps, qs, p_wire)
             tracer.add(f"decompress b{index}", COMPRESS, start, tracer.now_us())
             return bucket.buffer()
 
@@ -143,3 +130,48 @@ class PowerSGD(LowRankCompressor):
 
     def close(self) -> None:
         self.queue.close()
+
+
+def encode_p(
+    plan: BucketPlan, grads: Sequence[torch.Tensor], p_wire: torch.Tensor
+) -> list[torch.Tensor]:
+    """Power-SGD's first half into `p_wire`: per matrix group, error := M + error and
+    P = M Q on last step's Q, orthonormalised (warm start), then the uncompressed tensors.
+    Returns the groups' P views of `p_wire`."""
+    ps = plan.factor_views(p_wire, "p")
+    for g, send in zip(plan.groups, ps, strict=True):
+        torch._foreach_add_(g.errors, g.matrices(grads))  # error := M + error
+        orthonormalize_rows_(g.q)  # warm start from last step's Q
+        torch.bmm(g.q, g.error.transpose(1, 2), out=send)  # P^T = Q^T M^T
+    plan.pack_dense(grads, p_wire)
+    return ps
+
+
+def encode_q(
+    plan: BucketPlan, ps: Sequence[torch.Tensor], q_wire: torch.Tensor
+) -> list[torch.Tensor]:
+    """Power-SGD's second half, once P is averaged: orthonormalise P and compute
+    Q = M^T P into `q_wire`. Returns the groups' Q views of `q_wire`."""
+    qs = plan.factor_views(q_wire, "q")
+    for g, pt, qt in zip(plan.groups, ps, qs, strict=True):
+        orthonormalize_rows_(pt)
+        torch.bmm(pt, g.error, out=qt)  # Q^T = P^T M
+    return qs
+
+
+def decode(
+    plan: BucketPlan,
+    grads: Sequence[torch.Tensor],
+    ps: Sequence[torch.Tensor],
+    qs: Sequence[torch.Tensor],
+    p_wire: torch.Tensor,
+) -> None:
+    """Write P Q^T (both averaged) into `grads` and the averaged uncompressed tensors;
+    keep error := M - P Q^T and Q for the next step's warm start."""
+    for g, pt, qt in zip(plan.groups, ps, qs, strict=True):
+        mats = g.matrices(grads)
+        for j, mat in enumerate(mats):
+            write_product_(mat, pt[j].t(), qt[j])
+        torch._foreach_sub_(g.errors, mats)  # error := M - P Q^T
+        g.q.copy_(qt)
+    plan.unpack_dense(grads, p_wire)
