@@ -642,7 +642,8 @@ def ratio_interval(
     lo: float | None = None
     hi: float | None = None
     if np.isnan(boot).mean() <= 2 * tail:
-        lo_v, hi_v = np.nanquantile(boot, [tail, 1 - tail])
+        # no interpolation between resamples: "never" (inf) must not turn into NaN
+        lo_v, hi_v = np.quantile(boot[~np.isnan(boot)], [tail, 1 - tail], method="inverted_cdf")
         lo, hi = float(lo_v), float(hi_v)
     return (None if math.isnan(point) else point), lo, hi
 
