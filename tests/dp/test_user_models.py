@@ -1,5 +1,6 @@
-"""`plait.data_parallel` with every compressor, gated by `plait.crossover.attach`, on
-Hugging Face models nobody here wrote: tiny GPT-2, BERT and Llama built from configs.
+"""`plait.data_parallel` with every compressor and local-update method, gated by
+`plait.crossover.attach`, on Hugging Face models nobody here wrote: tiny GPT-2, BERT and
+Llama built from configs.
 
 One spawned world-size-2 job trains every family with every compressor in turn (spawning
 and importing transformers costs more than the training), then the parent checks that:
@@ -44,6 +45,10 @@ COMPRESSORS: dict[str, dict[str, Any]] = {
     "powersgd": {"rank": 2},
     "torch-powersgd": {"rank": 2},
     "acpsgd": {"rank": 2},
+    # local-update training (plait.dp.local): H = 2, so the 4 steps end on an exchange and
+    # the replicas agree again; plain DiLoCo, and int4 pseudo-gradients over fragments
+    "diloco": {"inner_steps": 2},
+    "localsgd": {"inner_steps": 2, "compression": "int4", "block": 16},
 }
 #: signSGD's update has the size of the learning rate in every coordinate: Adam-sized
 SIGN_LR = 1e-3
@@ -152,9 +157,12 @@ def _every_compressor(rank: int, world: int, family: str) -> dict[str, dict[str,
             losses = _train(ddp, opt, batch)
         finally:
             gate.close()
-            compressor = plait.dp.compressor_of(ddp)
-            assert compressor is not None
-            compressor.close()
+            if isinstance(ddp, plait.dp.LocalUpdate):
+                ddp.close()
+            else:
+                compressor = plait.dp.compressor_of(ddp)
+                assert compressor is not None
+                compressor.close()
         end = _flat(model)
         out[name] = {
             "losses": losses,

@@ -70,6 +70,8 @@ def run_bench(
         for net in specs:
             cluster.shape(net)
             for w in workloads:
+                # a factory's path holds '/' and ':'; file names take the factory's name
+                tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", w).strip("-")
                 spec = BenchSpec(
                     workload=w,
                     strategies=list(strategies),
@@ -78,10 +80,10 @@ def run_bench(
                     batch_size=batch_size,
                     bandwidth=net.bandwidth or "unshaped",
                     rate=net.rate or "",
-                    trace=str(out / f"trace_{w}_{net.bandwidth}.json") if trace and out else None,
+                    trace=str(out / f"trace_{tag}_{net.bandwidth}.json") if trace and out else None,
                 )
-                spec_path = work / f"spec_{w}_{net.bandwidth}.json"
-                res_path = work / f"res_{w}_{net.bandwidth}.json"
+                spec_path = work / f"spec_{tag}_{net.bandwidth}.json"
+                res_path = work / f"res_{tag}_{net.bandwidth}.json"
                 spec_path.write_text(json.dumps(asdict(spec)))
                 logger.info(
                     "bench: %s at %s on %dx%d: %s",

@@ -103,6 +103,7 @@ def comm_hook(
 def data_parallel(
     model: nn.Module,
     compression: str | Compressor = "ssgd",
+    /,
     *,
     bucket_cap_mb: float = DDP_DEFAULT_BUCKET_MB,
     final_bucket_mb: float = DDP_DEFAULT_FINAL_BUCKET_MB,
@@ -145,7 +146,9 @@ def data_parallel(
     Args:
         model: the module to train; its parameters must live on one device.
         compression: a compressor name (``"ssgd"``, ``"acpsgd"``, ...), a spec with its
-            options (``"acpsgd:rank=4"``, as on the command line) or an instance.
+            options (``"acpsgd:rank=4"``, as on the command line) or an instance; given
+            by position, so that a keyword ``compression`` can be a local-update
+            method's option (``data_parallel(m, "diloco", compression="int4")``).
         bucket_cap_mb: fusion threshold of the uncompressed gradient, in MiB.
         final_bucket_mb: the gradients ready last form a bucket of about this size (MiB,
             uncompressed; 0 for none), which shortens the communication left after backward.
