@@ -85,6 +85,33 @@ optimizers-gpt() {  # BANDWIDTH [SGD]: SGD only where asked (it misses the targe
         --strategies "${sgd}ssgd+adamw@0.001;ssgd+muon@0.01;$KFAC,$TUNED+sgd@0.1;$KFAC_ACP16,$TUNED+sgd@0.1$bf16"
 }
 
+# ------------------------------------------------------------------ slow links
+# The communication-bound race: the GPT at 2 sequences per worker (benchmarks/race/
+# workloads.py:gpt_link), 87% of S-SGD's step on the wire at `slow`. Every entry trains
+# with AdamW; its learning rate is tuned first (tune-link: seed 10, the same budget for
+# every entry, three rates each, judged by the held-out loss after 300 steps; unshaped,
+# since steps do not depend on the link), then raced on seeds 0-4 at `slow`.
+LINK=benchmarks/race/workloads.py:gpt_link
+LINK_ENTRIES=(
+    "ssgd"
+    "torch-powersgd:rank=16"
+    "powersgd:rank=16"
+    "acpsgd:rank=16"
+    "acpsgd:rank=32"
+    "diloco:inner_steps=10"
+    "diloco:inner_steps=10,fragments=2,delay=2"
+    "diloco:inner_steps=10,fragments=2,delay=2,compression=int4"
+)
+
+tune-link() {
+    local entries=""
+    for e in "${LINK_ENTRIES[@]}"; do
+        for lr in 5e-4 1e-3 2e-3; do entries+="$e+adamw@$lr;"; done
+    done
+    race tune-link --workload "$LINK" --metric loss --target 2.0 --nodes 4 \
+        --seeds 10 --max-steps 300 --eval-every 25 --full-budget --strategies "$entries"
+}
+
 all() {
     tune-digits-cnn
     tune-kfac-digits-cnn

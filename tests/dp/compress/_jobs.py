@@ -16,7 +16,7 @@ def bytes_and_spans(rank: int, world: int) -> dict[str, Any]:
     """Collectives and trace spans of two ACP-SGD steps (a P-step, then a Q-step)."""
     tracer.enable()
     tracer.clear()
-    ddp = plait.data_parallel(toy_model(), "acpsgd", rank=2)
+    ddp = plait.data_parallel(toy_model(), "acpsgd", rank=2, warmup=0)
     x = torch.randn(4, 3, 8, 8)
     records = []
     for _ in range(2):

@@ -14,15 +14,18 @@ from tests.dp.compress._scenario import DDPRun, Job, run_all
 
 #: rank 2 on the toy model: every weight but the head's compresses
 LOWRANK = {"rank": 2, "seed": 3}
+#: ACP-SGD from its first step (its default warms up 2 dense steps; a job of its own tests
+#: that), so the scenario's few steps all exercise the compressed path
+ACP = {**LOWRANK, "warmup": 0}
 
 WORLD2: dict[str, Job] = {
-    "acpsgd": DDPRun(compression="acpsgd", options=LOWRANK),
-    "acpsgd-resume": DDPRun(compression="acpsgd", options=LOWRANK, resume_at=3),
+    "acpsgd": DDPRun(compression="acpsgd", options=ACP),
+    "acpsgd-resume": DDPRun(compression="acpsgd", options=ACP, resume_at=3),
     "acpsgd-warmup-unused": DDPRun(
         compression="acpsgd", options={"rank": 2, "warmup": 2}, unused=True
     ),
-    "acpsgd-fp16": DDPRun(compression="acpsgd", options=LOWRANK, dtype=torch.float16),
-    "acpsgd-bf16": DDPRun(compression="acpsgd", options=LOWRANK, dtype=torch.bfloat16),
+    "acpsgd-fp16": DDPRun(compression="acpsgd", options=ACP, dtype=torch.float16),
+    "acpsgd-bf16": DDPRun(compression="acpsgd", options=ACP, dtype=torch.bfloat16),
     "acpsgd-bytes": bytes_and_spans,
     "powersgd": DDPRun(compression="powersgd", options=LOWRANK),
     "powersgd-resume": DDPRun(compression="powersgd", options=LOWRANK, resume_at=3),
@@ -41,13 +44,13 @@ WORLD2: dict[str, Job] = {
 
 #: several buckets (small caps) on 4 ranks: the gloo ordering of the two-all-reduce pipeline
 WORLD4: dict[str, Job] = {
-    "acpsgd": DDPRun(compression="acpsgd", options=LOWRANK, bucket_cap_mb=0.004),
+    "acpsgd": DDPRun(compression="acpsgd", options=ACP, bucket_cap_mb=0.004),
     "powersgd": DDPRun(compression="powersgd", options=LOWRANK, bucket_cap_mb=0.004),
     "signsgd": DDPRun(compression="signsgd", bucket_cap_mb=0.004),
 }
 
 WORLD1: dict[str, Job] = {
-    "acpsgd": DDPRun(compression="acpsgd", options=LOWRANK, bucket_cap_mb=25.0),
+    "acpsgd": DDPRun(compression="acpsgd", options=ACP, bucket_cap_mb=25.0),
     "powersgd": DDPRun(compression="powersgd", options=LOWRANK),
     "torch-powersgd": DDPRun(compression="torch-powersgd", options={"rank": 2}),
     "signsgd": DDPRun(compression="signsgd"),
