@@ -259,8 +259,13 @@ def plot(traces: Sequence[StepTrace], path: Path, target: float | None) -> Path:
     axes[1].set(xlabel="step", ylabel="|approx - mean(G)| / |mean(G)|", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
-    legend = fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center",
-                        bbox_to_anchor=(0.5, 0.0), fontsize=8, frameon=False)  # fmt: skip
+    legend = fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        fontsize=8,
+        frameon=False,
+    )
     return save_figure(fig, path, dpi=120, outside=[legend])
 
 
@@ -294,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     meta = provenance(command=" ".join(["python -m plait.bench.lowrank_steps", *sys.argv[1:]]))
     write_json({"provenance": meta, "traces": [asdict(t) for t in traces]}, out / "results.json")
-    write_markdown(f"# Low-rank compressors step by step\n\nCommand: `{meta['command']}`\n\n"
-                   + markdown(traces, args.target), out / "results.md")  # fmt: skip
+    write_markdown(
+        f"# Low-rank compressors step by step\n\nCommand: `{meta['command']}`\n\n"
+        + markdown(traces, args.target),
+        out / "results.md",
+    )
     plot(traces, out / "results.png", args.target)
     print(markdown(traces, args.target), end="")
     return 0
