@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 DOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
-.PHONY: install demo test test-all lint typecheck check bench bench-fused race docs clean
+.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused race docs clean
 
 install: $(STAMP)
 
@@ -33,6 +33,20 @@ test-all: install
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 	$(DOCS)
+
+# The suite on another torch release: `make test-torch VERSION=2.14.1` installs that torch
+# and plait (editable, with the dev extra) into a venv of its own, .venv-torch-VERSION,
+# then runs what `make test` runs there; the summary is kept in .venv-torch-VERSION/test.log.
+# docs/install.md's support matrix records each release's result.
+TORCH_VENV = .venv-torch-$(VERSION)
+test-torch:
+	@test -n "$(VERSION)" || { echo "usage: make test-torch VERSION=2.14.1" >&2; exit 2; }
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet "torch==$(VERSION)"
+	$(TORCH_VENV)/bin/python -m pip install --quiet -e ".[dev]" "torch==$(VERSION)"
+	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	bash -o pipefail -c '$(TORCH_VENV)/bin/python -m pytest -q -m "not slow" \
+		-p no:cacheprovider 2>&1 | tee $(TORCH_VENV)/test.log'
 
 lint: install
 	$(BIN)/ruff check src tests examples
