@@ -606,7 +606,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     if not result.ok:
         print(result.tail(), file=sys.stderr)
-        print(f"plait train: failed (exit codes {result.returncodes})", file=sys.stderr)
+        print(f"plait train: failed: {result.describe_failure()}", file=sys.stderr)
         return 1
     return 0
 
@@ -629,6 +629,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if not result.ok:
         print(result.tail(), file=sys.stderr)
+        print(f"plait run: failed: {result.describe_failure()}", file=sys.stderr)
     return 0 if result.ok else 1
 
 

@@ -173,3 +173,46 @@ def test_a_deadline_or_a_stop_ends_the_wait() -> None:
     finally:
         launch_mod._kill_all(procs)
     assert procs[0].returncode is not None
+
+
+def test_a_node_hung_after_its_peers_finished_is_stopped_and_reported(tmp_path: Path) -> None:
+    """A worker that never exits (as a gloo teardown deadlock at interpreter exit does)
+    while the other node's workers succeeded: torchrun's exit barrier would wait 300 s and
+    call the job done; the launcher stops it after the grace and keeps its log."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            if os.environ["PLAIT_NODE"] == "1":
+                print("node 1 finished its work, then hangs", flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    with Cluster.create(nodes=2, quiet=True) as c:
+        res = launch(c, [str(job)], timeout_s=120, quiet=True, exit_grace_s=3.0)
+    assert res.hung == [1] and not res.ok and not res.timed_out
+    assert res.returncodes[0] == 0  # node 0's workers succeeded before it was stopped
+    assert res.elapsed_s < 60
+    assert "node 1 was still running" in res.describe_failure()
+    assert "hangs" in res.logs[1].read_text()  # the log is kept for the report
+    # torchrun's own log folders live inside the job's, not as /tmp/torchelastic_*
+    assert (res.log_dir / "torchelastic-node1").is_dir()
+
+
+def test_a_stopped_launch_keeps_its_logs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait import _proc
+
+    def interrupted(*args: object, **kwargs: object) -> tuple[bool, list[int]]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_mod, "_wait_all", interrupted)
+    before = set(_proc._SCRATCH)
+    with Cluster.create(nodes=2, quiet=True) as c, pytest.raises(KeyboardInterrupt):
+        launch(c, ["-c", "pass"], module=False, quiet=True)
+    created = [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"plait-{c.cid}-*")]
+    assert created, "the launch made its log folder"
+    # kept: no longer removed at exit (it holds the logs of where the job was stopped)
+    assert not any(p in _proc._SCRATCH for p in created)
+    assert before >= set(_proc._SCRATCH) - set(created)

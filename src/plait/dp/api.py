@@ -17,6 +17,7 @@ from plait.comm.fusion import (
     ThresholdPlanner,
     ddp_bucket_caps_mb,
 )
+from plait.distributed import retain_group
 from plait.dp.compress import AllReduce, Compressor, compressor_class
 from plait.persist import from_plain, to_plain
 from plait.specs import parse_spec
@@ -200,6 +201,7 @@ def data_parallel(
         find_unused_parameters=find_unused_parameters,
         gradient_as_bucket_view=gradient_as_bucket_view,
     )
+    retain_group(ddp.process_group)  # no gloo join under the GIL at exit: `retain_group`
     comp.register(ddp)
     ddp.plait_compressor = comp  # type: ignore[assignment]
     ddp.register_state_dict_post_hook(_save_compressor_state)

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
+from plait.comm.ops import collective_errors
 from plait.crossover.scheduler import Crossover, attach
 from plait.log import summary_writer
 from plait.specs import OptionValue, parse_spec
@@ -586,9 +587,11 @@ def _progress(total: int, initial: int, *, enabled: bool) -> Any:
 def train(config: TrainConfig) -> dict[str, Any]:
     """Initialise distributed (if launched so), train, and return the summary."""
     pdist.init_distributed()
-    trainer = Trainer(config)
-    try:
-        trainer.run()
-        return trainer.summary()
-    finally:
-        trainer.close()
+    # a lost peer ends the run as a CollectiveError, whichever collective saw it first
+    with collective_errors("training"):
+        trainer = Trainer(config)
+        try:
+            trainer.run()
+            return trainer.summary()
+        finally:
+            trainer.close()
