@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 import tomllib
 import traceback
@@ -15,11 +16,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
-from plait._proc import scratch_dir
+from plait._proc import interrupts_held, scratch_dir
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
 from plait.log import check_tensorboard, configure, level_from
 from plait.specs import split_specs
-from plait.train.args import add_train_args, config_from_args
 from plait.units import parse_size
 
 #: Emulated nodes when ``--nodes`` is not given, the same in every command: the size of the
@@ -58,6 +58,9 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
+        # a value starting with a dash and a digit is a value (`--latency -5ms` reaches its
+        # check, which says what is wrong), not an unknown flag ("expected one argument")
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -133,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes")
     d.add_argument("--out", default="runs/demo", help="where the demo writes its results")
     d.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
+
+    from plait.train.args import add_train_args
 
     t = sub.add_parser("train", help="train a workload with a strategy")
     _add_config_arg(t)
@@ -579,6 +584,8 @@ def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkS
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from plait.train.args import config_from_args
+
     cfg = config_from_args(args)
     if "RANK" in os.environ:  # already launched by torchrun: train in this process
         from plait.train.loop import train
@@ -1046,7 +1053,12 @@ def _number(
 
 
 def _creatable(flag: str, path: str, p: Path) -> None:
-    """The nearest existing ancestor of `p` is a directory this process may write into."""
+    """The nearest existing ancestor of `p` is a directory this process can create in.
+
+    Tried, not inferred from permission bits: root passes every ``access`` check, yet
+    cannot create a file in /proc or on a read-only mount (``--out /proc/plait.json``
+    used to train to the end and then lose the metrics).
+    """
     anc = p.parent
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
@@ -1054,6 +1066,14 @@ def _creatable(flag: str, path: str, p: Path) -> None:
         raise ValueError(f"{flag} {path!r}: cannot be created, {str(anc)!r} is not a directory")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path!r}: cannot be created, {str(anc)!r} is not writable")
+    probe = anc / f".plait-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path!r}: cannot be created in {str(anc)!r} ({exc.strerror})"
+        ) from None
+    os.unlink(probe)
 
 
 def _writable_dir(flag: str, path: str | None) -> None:
@@ -1086,6 +1106,60 @@ def _writable_file(flag: str, path: str | None) -> None:
             raise ValueError(f"{flag} {path!r}: file is not writable")
         return
     _creatable(flag, path, p)
+
+
+#: Bounds of every number a command takes, by its destination: (lowest, highest), both
+#: included. One table for all commands, checked before any command-specific check, so a
+#: flag means the same range wherever it appears and an absurd value (``--steps 1e23``,
+#: ``--threads 1000000``, ``--lr 1e308``) fails in one line instead of later, in a worker.
+#: Counts of steps stop at ten million (a day at 120 steps/s), processes at what one
+#: emulated machine can hold, seeds at what torch's generator takes.
+NUMBER_BOUNDS: dict[str, tuple[float, float]] = {
+    "nproc_per_node": (1, 256),
+    "threads": (1, 1024),
+    "timeout": (1, 365 * 86400),
+    "steps": (1, 10**7),
+    "epochs": (1, 10**6),
+    "max_steps": (1, 10**7),
+    "warmup": (0, 10**7),
+    "eval_every": (0, 10**7),
+    "checkpoint_every": (0, 10**7),
+    "chunk": (1, 10**7),
+    "repeats": (1, 10**4),
+    "rounds": (1, 10**4),
+    "batch_size": (1, 10**7),
+    "accumulate": (1, 10**4),
+    "max_restarts": (0, 100),
+    "trials": (1, 10**6),
+    "max_models": (1, 4096),
+    "n": (1, 4096),
+    "slots": (1, 4096),
+    "seed": (0, 2**63 - 1),
+    "seeds": (0, 2**63 - 1),
+    "lr": (1e-12, 1e3),
+    "momentum": (0, 1),
+    "weight_decay": (0, 1e3),
+}
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every number in `args` within `NUMBER_BOUNDS` (lists element by element)."""
+    for dest, (low, high) in NUMBER_BOUNDS.items():
+        value = getattr(args, dest, None)
+        values = value if isinstance(value, tuple | list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                continue  # not given, or text checked elsewhere (race's --lr LABEL=LR)
+            if not (math.isfinite(v) and low <= v <= high):
+                flag = f"--{dest.replace('_', '-')}"
+                kind = "an integer" if isinstance(v, int) else "a number"
+                raise ValueError(
+                    f"{flag} {v}: expected {kind} from {_bound(low)} to {_bound(high)}"
+                )
+
+
+def _bound(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _bandwidths(text: str | None, *, multi: bool) -> str | None:
@@ -1132,6 +1206,17 @@ def _check_group(flag: str, group: str | None) -> None:
         raise ValueError(
             f"{flag} {group!r}: expected 1-64 letters, digits, '_', '.' or '-' (not . or ..)"
         )
+
+
+def _check_token_dir(flag: str) -> None:
+    """The compute token's folder is this user's own, checked here rather than in every
+    worker after the namespaces exist (another user's folder, a link)."""
+    from plait.crossover.token import token_dir
+
+    try:
+        token_dir()
+    except PermissionError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _check_device(flag: str, device: str) -> None:
@@ -1197,20 +1282,34 @@ def _validate_train(args: argparse.Namespace) -> None:
     _writable_file("--trace", args.trace)
     _check_tensorboard(args.tensorboard)
     _check_group("--crossover", args.crossover)
+    if args.crossover is not None:
+        _check_token_dir("--crossover")
     if args.memory is not None:
         parse_size(args.memory, what="--memory size")
+    from plait.train.args import config_from_args
+
     cfg = config_from_args(args)  # workload, strategy spec and its options
     if "RANK" in os.environ:
         return  # a worker: the parent checked the rest before launching
     from plait.train.strategy import Strategy
     from plait.workloads import get_workload
 
+    world = args.nodes * args.nproc_per_node
+    wl = get_workload(cfg.workload)
+    data = wl.real() if cfg.data == "real" else wl.bench_data(cfg.synthetic_samples)
+    samples = len(data.train)  # type: ignore[arg-type]
+    batch = cfg.batch_size or wl.train_batch
+    if batch * cfg.accumulate * world > samples:
+        raise ValueError(
+            f"--batch-size {batch} x --accumulate {cfg.accumulate} x {world} rank(s): one "
+            f"step needs {batch * cfg.accumulate * world} samples, the {cfg.data} data of "
+            f"{cfg.workload!r} has {samples}; at most --batch-size "
+            f"{max(1, samples // (cfg.accumulate * world))}"
+        )
     strategy = cfg.strategy_choice.build()
     try:
         if type(strategy).check is not Strategy.check:  # plan degrees against world, model
-            wl = get_workload(cfg.workload)
-            data = wl.real() if cfg.data == "real" else wl.bench_data(8)
-            strategy.check(wl.model(data.info), world=args.nodes * args.nproc_per_node)
+            strategy.check(wl.model(data.info), world=world)
     finally:
         strategy.close()
 
@@ -1321,6 +1420,7 @@ def _validate_crossover(args: argparse.Namespace) -> None:
             "--steps >= --warmup + 2 (two steps after warm-up to measure a rate)"
         )
     _check_group("--group", args.group)
+    _check_token_dir("plait crossover run")
     _writable_file("--trace", args.trace)
     _writable_dir("--out", args.out)
     if len(args.jobs) < 2:
@@ -1604,11 +1704,19 @@ def main(argv: list[str] | None = None) -> int:
     Bad input, found before anything is built or in the command itself (ValueError), exits
     with code 2; any other error with code 1; both print one line unless ``--debug``.
     """
-    args = build_parser().parse_args(argv)
     try:
-        args = parse_command_line(argv)
-        configure(level_from(args.verbose, args.quiet))
-        VALIDATORS[args.command](args)
+        # a Ctrl-C while torch imports (parsing, checking) stops the command once they end
+        with interrupts_held():
+            args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("\nplait: interrupted", file=sys.stderr)
+        return 130
+    try:
+        with interrupts_held():
+            args = parse_command_line(argv)
+            configure(level_from(args.verbose, args.quiet))
+            check_numbers(args)
+            VALIDATORS[args.command](args)
         return COMMANDS[args.command](args)
     except ValueError as exc:
         _fail(args, 2, str(exc))

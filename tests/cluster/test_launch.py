@@ -216,3 +216,27 @@ def test_a_stopped_launch_keeps_its_logs(monkeypatch: pytest.MonkeyPatch) -> Non
     # kept: no longer removed at exit (it holds the logs of where the job was stopped)
     assert not any(p in _proc._SCRATCH for p in created)
     assert before >= set(_proc._SCRATCH) - set(created)
+
+
+def test_an_error_every_restart_would_repeat_stops_the_job_at_once(tmp_path: Path) -> None:
+    """A full disk or a refused checkpoint used to fail every restart alike."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys, time
+            from plait.cluster.agent import report_fatal
+            with open({str(tmp_path / "attempts")!r}, "a") as f:
+                f.write(os.environ["PLAIT_NODE"])
+            if os.environ["PLAIT_NODE"] == "1":
+                report_fatal("CheckpointError: the disk is full (ENOSPC)")
+                sys.exit(1)
+            time.sleep(600)
+            """
+        )
+    )
+    with Cluster.create(nodes=2, quiet=True) as c:
+        res = launch(c, [str(job)], timeout_s=120, max_restarts=3, quiet=True)
+    assert not res.ok and "the disk is full" in res.fatal
+    assert "without restarting" in res.describe_failure()
+    assert (tmp_path / "attempts").read_text().count("1") == 1  # no restart was tried

@@ -95,3 +95,26 @@ def test_down_removes_leftovers_of_a_crash_only() -> None:
 def test_invalid_node_count() -> None:
     with pytest.raises(ValueError, match="nodes"):
         Cluster(nodes=0)
+
+
+def test_down_spares_a_cluster_without_state_whose_job_runs() -> None:
+    """Its state file in another PLAIT_STATE_DIR (here: removed): `cluster down` used to
+    list it as a dead leftover and remove it under the running job."""
+    from plait.cluster.netns import STATE_DIR, teardown
+
+    c = Cluster(nodes=1, persistent=True).up()  # a state file without an owner pid
+    try:
+        (STATE_DIR / f"{c.cid}.json").unlink()
+        job = subprocess.Popen([*c.exec_prefix(0), "sleep", "60"])
+        try:
+            state = next(s for s in list_clusters() if s["cid"] == c.cid)
+            assert state["leftover"] and state["alive"]
+            assert c.cid not in teardown_all()
+            assert c.netns(0) in _namespaces()
+        finally:
+            job.kill()
+            job.wait()
+        assert c.cid in teardown_all()  # nothing runs in it any more: a true leftover
+        assert c.netns(0) not in _namespaces()
+    finally:
+        teardown(c.cid)

@@ -71,15 +71,14 @@ def test_collective_error_names_the_group_and_the_lost_peer() -> None:
 
 
 def test_collective_errors_turns_transport_failures_into_the_class() -> None:
-    from plait.comm.ops import CollectiveError, collective_errors, collective_error
+    from plait.comm.ops import CollectiveError, collective_error, collective_errors
 
     gloo = (
         "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
         "[10.200.1.2]:4021"
     )
-    with pytest.raises(CollectiveError, match="'step'.*lost") as info:
-        with collective_errors("step"):
-            raise RuntimeError(gloo)
+    with pytest.raises(CollectiveError, match=r"'step'.*lost") as info, collective_errors("step"):
+        raise RuntimeError(gloo)
     assert isinstance(info.value.__cause__, RuntimeError)
     # DDP hands a failed hook back as text: the error comes back with its attributes
     original = collective_error(Collective.ALL_REDUCE, "allreduce b0", None, RuntimeError(gloo))

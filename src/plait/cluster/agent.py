@@ -142,6 +142,28 @@ def _bind_stores_to_loopback() -> None:
             mod.TCPStore = store  # type: ignore[attr-defined]
 
 
+#: Prefix of the file a worker leaves in the done folder for an error a restart repeats.
+FATAL_PREFIX = "fatal-"
+
+
+def report_fatal(message: str) -> bool:
+    """From a worker: its error will repeat on every restart (a full disk, a refused
+    checkpoint, a bad setting); the launcher stops the job instead of restarting it.
+
+    Returns:
+        Whether the job runs under a plait launcher that reads it.
+    """
+    done = os.environ.get(DONE_DIR_ENV)
+    if not done:
+        return False
+    path = Path(done) / f"{FATAL_PREFIX}rank{os.environ.get('RANK', '0')}"
+    try:
+        path.write_text(message)
+    except OSError:
+        return False
+    return True
+
+
 def _mark_done_before_exit_barrier(done_dir: Path, node: str) -> bool:
     try:
         from torch.distributed.elastic.agent.server.api import SimpleElasticAgent

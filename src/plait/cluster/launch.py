@@ -46,7 +46,7 @@ from plait._proc import (
     scratch_dir,
     stop_signals_interrupt,
 )
-from plait.cluster.agent import DONE_DIR_ENV, LOG_DIR_ENV
+from plait.cluster.agent import DONE_DIR_ENV, FATAL_PREFIX, LOG_DIR_ENV
 from plait.cluster.netns import LOOPBACK_ENV, Cluster
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class LaunchResult:
     logs: dict[int, Path] = field(default_factory=dict)
     #: nodes stopped because they ran on `EXIT_GRACE_S` after a peer's workers finished
     hung: list[int] = field(default_factory=list)
+    #: an error a worker reported as one that every restart would repeat (not restarted)
+    fatal: str = ""
 
     @property
     def ok(self) -> bool:
@@ -94,6 +96,8 @@ class LaunchResult:
             + (f"; its log: {self.logs[n]}" if n in self.logs else "")
             for n in self.hung
         ]
+        if self.fatal:
+            lines.append(f"stopped without restarting (a restart would fail alike): {self.fatal}")
         if self.timed_out:
             lines.append(f"the job ran past its time limit ({self.elapsed_s:.0f} s): stopped")
         failed = [n for n, rc in enumerate(self.returncodes) if rc != 0 and n not in self.hung]
@@ -287,6 +291,9 @@ def launch(
         logs=logs,
         hung=hung,
     )
+    fatal = sorted(p for p in done_dir.iterdir() if p.name.startswith(FATAL_PREFIX))
+    if fatal:
+        result.fatal = fatal[0].read_text(errors="replace").strip()
     shutil.rmtree(done_dir, ignore_errors=True)
     if hung:
         logger.error("%s", result.describe_failure())
@@ -332,6 +339,10 @@ def _wait_all(
             hung = [n for n, c in enumerate(codes) if c is None and f"node{n}" not in done]
             if hung:
                 return False, hung
+        if done_dir is not None and any(
+            p.name.startswith(FATAL_PREFIX) for p in done_dir.iterdir()
+        ):
+            return False, []  # an error every restart would repeat: stop now
         if deadline is not None and now > deadline:
             return True, []
         time.sleep(0.1)

@@ -402,13 +402,19 @@ def list_clusters() -> list[dict[str, object]]:
         for link in _links():
             if link.startswith("plb") and len(link) == 9:
                 found.setdefault(link[3:], {"cid": link[3:], "leftover": True})
+    names = _namespaces() if found else []
     for state in found.values():
         pid, start = state.get("pid"), state.get("pid_start")
-        state["alive"] = isinstance(pid, int) and process_alive(
-            pid, start if isinstance(start, int) else None
-        )
-        ns_count = sum(1 for ns in _namespaces() if ns.startswith(f"{_PREFIX}{state['cid']}-"))
-        state["namespaces"] = ns_count
+        mine = [ns for ns in names if ns.startswith(f"{_PREFIX}{state['cid']}-")]
+        if state.get("leftover"):
+            # no state file here (another PLAIT_STATE_DIR, or a write that failed): its
+            # owner is unknown, so a process inside its namespaces means a job runs there
+            state["alive"] = any(namespace_pids(ns) for ns in mine)
+        else:
+            state["alive"] = isinstance(pid, int) and process_alive(
+                pid, start if isinstance(start, int) else None
+            )
+        state["namespaces"] = len(mine)
     return list(found.values())
 
 
@@ -416,7 +422,9 @@ def teardown_all(*, only_dead: bool = True) -> list[str]:
     """Remove plait clusters: leftovers and persistent ones, or all with ``only_dead=False``.
 
     A cluster whose owning process still runs is in use by a job; it is kept unless
-    `only_dead` is False.
+    `only_dead` is False. So is a leftover (namespaces without a state file) with processes
+    inside: its job's state may live in another state folder (`plait cluster down` once
+    removed such a cluster under a running job, which died 3.5 s later).
     """
     removed = []
     for state in list_clusters():

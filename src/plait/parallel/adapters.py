@@ -68,6 +68,8 @@ class ModelDims:
             as many as `heads`).
         where: the first block, named in errors (``"model.layers.0 (LlamaDecoderLayer)"``).
         no_sequence: why sequence parallelism cannot shard this model ("" if it can).
+        block_sizes: parameters of each block when they differ (a stack of layers of
+            several widths); empty when every block has `block_params`.
     """
 
     layers: int
@@ -81,11 +83,23 @@ class ModelDims:
     kv_heads: int = 0
     where: str = ""
     no_sequence: str = ""
+    block_sizes: tuple[int, ...] = ()
 
     @property
     def other_params(self) -> int:
         """Parameters outside the blocks (embeddings, final norm, head)."""
-        return self.params - self.layers * self.block_params
+        in_blocks = sum(self.block_sizes) if self.block_sizes else self.layers * self.block_params
+        return max(0, self.params - in_blocks)
+
+    def stage_params(self, n_stages: int) -> list[int]:
+        """Block parameters of each of `n_stages` pipeline stages, split as
+        `plait.parallel.pipeline.split_units` splits the blocks (block i to stage
+        ``i * n_stages // layers``)."""
+        sizes = self.block_sizes or (self.block_params,) * self.layers
+        out = [0] * n_stages
+        for i, size in enumerate(sizes):
+            out[i * n_stages // len(sizes)] += size
+        return out
 
     def check_tensor_degree(self, tp: int, *, sequence: bool = False) -> None:
         """Raise ValueError unless `tp` divides every dimension tensor parallelism shards."""
@@ -434,6 +448,7 @@ class SequentialAdapter(ModelAdapter):
                 ffn=0,
                 params=_count(model),
                 block_params=max((_count(b) for b in blocks), default=0),
+                block_sizes=tuple(_count(b) for b in blocks),
             )
         first = layers[0][1]
         return ModelDims(

@@ -342,10 +342,10 @@ class Trainer:
     def maybe_resume(self) -> bool:
         if self.ckpt is None:
             return False
-        path = self.ckpt.latest()
-        if path is None:
+        newest = self.ckpt.load_newest()  # older ones when the newest is refused
+        if newest is None:
             return False
-        shared, local = self.ckpt.load(path)
+        path, shared, local = newest
         if has_sharded(path):
             sharded = self.strategy.checkpoint_state(self.model, self.optimizer)
             if sharded is None:
