@@ -263,13 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
     g = parser.add_mutually_exclusive_group()
     g.add_argument(
+        "-v",
         "--verbose",
         action="store_true",
         default=default,
         help="also log debugging detail, each line naming its logger",
     )
     g.add_argument(
-        "--quiet", action="store_true", default=default, help="log warnings and errors only"
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="log warnings and errors only, and draw no progress bar",
     )
 
 

@@ -102,3 +102,12 @@ def test_comm_hook_on_a_ddp_built_elsewhere() -> None:
     total = sum(g.numel() for g in g0)
     nonzero = sum(int(g.count_nonzero()) for g in g0)
     assert 0 < nonzero <= 2 * round(0.1 * total) + 2
+
+
+def test_api_errors_list_the_accepted_options() -> None:
+    """The command line's "accepted: ..." lists, in the library too (a typo used to show
+    a raw __init__ TypeError)."""
+    with pytest.raises(ValueError, match=r"no option 'rnak' \(accepted: rank, .*warmup"):
+        comm_hook("acpsgd:rnak=4")
+    with pytest.raises(ValueError, match=r"no option 'ratoi' \(accepted: ratio\)"):
+        make_compressor("topk", ratoi=0.1)

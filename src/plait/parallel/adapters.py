@@ -70,6 +70,7 @@ class ModelDims:
         no_sequence: why sequence parallelism cannot shard this model ("" if it can).
         block_sizes: parameters of each block when they differ (a stack of layers of
             several widths); empty when every block has `block_params`.
+        model: the model's class name, named in errors.
     """
 
     layers: int
@@ -84,6 +85,7 @@ class ModelDims:
     where: str = ""
     no_sequence: str = ""
     block_sizes: tuple[int, ...] = ()
+    model: str = ""
 
     @property
     def other_params(self) -> int:
@@ -139,7 +141,10 @@ class ModelAdapter:
 
     def dims(self, model: nn.Module) -> ModelDims:
         n = _count(model)
-        return ModelDims(layers=0, hidden=0, heads=0, ffn=0, params=n, block_params=0)
+        return ModelDims(
+            layers=0, hidden=0, heads=0, ffn=0, params=n, block_params=0,
+            model=type(model).__name__,
+        )  # fmt: skip
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Qualified names of the repeated blocks, in forward order."""
@@ -449,6 +454,7 @@ class SequentialAdapter(ModelAdapter):
                 params=_count(model),
                 block_params=max((_count(b) for b in blocks), default=0),
                 block_sizes=tuple(_count(b) for b in blocks),
+                model=type(model).__name__,
             )
         first = layers[0][1]
         return ModelDims(

@@ -573,12 +573,15 @@ def _progress(total: int, initial: int, *, enabled: bool) -> Any:
         return None
     from tqdm import tqdm
 
+    # on stderr, beside the logs, and only on a terminal: a redirected output gets the
+    # epoch lines, not a bar's carriage returns
     return tqdm(
         total=total,
         initial=initial,
         desc="train",
         unit="step",
-        file=sys.stdout,
+        file=sys.stderr,
+        disable=None,
         dynamic_ncols=True,
         mininterval=0.5,
     )
