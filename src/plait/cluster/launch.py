@@ -60,7 +60,8 @@ _JOIN_TIMEOUT_S = 300
 #: How long a node may run on after every worker of some other node finished: rank 0's
 #: last writes (metrics, a trace) take seconds after the last collective, a worker hung at
 #: interpreter exit forever (torchrun's exit barrier would wait 300 s, then call it done).
-EXIT_GRACE_S = 60.0
+#: A job whose rank 0 works on longer alone sets PLAIT_EXIT_GRACE (seconds).
+EXIT_GRACE_S = float(os.environ.get("PLAIT_EXIT_GRACE", "60"))
 
 
 def free_port() -> int:
@@ -86,7 +87,12 @@ class LaunchResult:
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and not self.hung and all(rc == 0 for rc in self.returncodes)
+        return (
+            not self.timed_out
+            and not self.hung
+            and not self.fatal
+            and all(rc == 0 for rc in self.returncodes)
+        )
 
     def describe_failure(self) -> str:
         """One line per thing that went wrong: hung nodes, a time-out, failed nodes."""
