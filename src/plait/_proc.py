@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import re
@@ -81,7 +82,10 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+@functools.cache
 def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, found on first use: `find_library` runs a subprocess, which would
+    slow every import of plait (and the command line's first instant) by tens of ms."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6", use_errno=True)
@@ -89,9 +93,6 @@ def _prctl() -> Callable[..., int] | None:
     except (OSError, AttributeError):
         return None
     return fn
-
-
-_PRCTL = _prctl()
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> bool:
@@ -104,9 +105,10 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     Returns:
         Whether the parent-death signal is set.
     """
-    if _PRCTL is None:
+    prctl = _prctl()
+    if prctl is None:
         return False
-    if _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+    if prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         return False
     if expected_parent is not None and os.getppid() != expected_parent:
         os.kill(os.getpid(), sig)
@@ -119,7 +121,7 @@ def die_with_parent_preexec() -> Callable[[], None]:
     Only a prebuilt ctypes call runs in the child, so no Python lock is taken there.
     """
     parent = os.getpid()
-    prctl = _PRCTL
+    prctl = _prctl()
 
     def preexec() -> None:
         if prctl is not None:

@@ -156,7 +156,7 @@ def test_a_failed_node_stops_the_others_after_a_grace(monkeypatch: pytest.Monkey
     monkeypatch.setattr(launch_mod, "_FAIL_GRACE_S", 0.3)
     procs = [subprocess.Popen(["sleep", "60"], start_new_session=True), subprocess.Popen(["false"])]
     start = time.monotonic()
-    assert launch_mod._wait_all(procs, None, None) is False  # not a timeout
+    assert launch_mod._wait_all(procs, None, None) == (False, [])  # not a timeout, none hung
     assert time.monotonic() - start < 10
     assert procs[0].poll() is None  # still running: stopping it is _kill_all's work
     launch_mod._kill_all(procs)
@@ -166,10 +166,10 @@ def test_a_failed_node_stops_the_others_after_a_grace(monkeypatch: pytest.Monkey
 def test_a_deadline_or_a_stop_ends_the_wait() -> None:
     procs = [subprocess.Popen(["sleep", "60"], start_new_session=True)]
     try:
-        assert launch_mod._wait_all(procs, time.monotonic() + 0.2, None) is True
+        assert launch_mod._wait_all(procs, time.monotonic() + 0.2, None) == (True, [])
         stop = threading.Event()
         stop.set()
-        assert launch_mod._wait_all(procs, None, stop) is False
+        assert launch_mod._wait_all(procs, None, stop) == (False, [])
     finally:
         launch_mod._kill_all(procs)
     assert procs[0].returncode is not None

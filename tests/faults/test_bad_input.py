@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import plait.bench.colocate  # imported before the traps: it binds `launch` at import
 import plait.cluster
 import plait.cluster.launch  # the module (trapped below), not the function
 from plait import cli

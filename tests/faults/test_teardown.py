@@ -229,7 +229,7 @@ def test_ctrl_c_of_co_located_jobs_stops_them_within_seconds(tmp_path: Path) -> 
             _kill_everything(workers)
 
 
-@pytest.mark.parametrize("delay_s", [0.15, 0.3, 0.6])
+@pytest.mark.parametrize("delay_s", [0.3, 0.6, 1.0])
 def test_ctrl_c_in_the_first_instant_stops_the_command(delay_s: float, tmp_path: Path) -> None:
     """A Ctrl-C while the command still imports torch used to be swallowed in about half
     of the tries: the job then built its cluster and trained to the end."""

@@ -47,7 +47,7 @@ def test_validate_against_world_and_model() -> None:
         Plan(dp=3).validate(world=4)
     with pytest.raises(ValueError, match="does not divide heads=4"):
         Plan(tp=8).validate(world=8, dims=dims)
-    with pytest.raises(ValueError, match="need at least as many layers"):
+    with pytest.raises(ValueError, match="need at least as many blocks"):
         Plan(pp=4, schedule=Schedule.INTERLEAVED).validate(world=4, dims=dims)
     with pytest.raises(ValueError, match="cannot fill"):
         Plan(pp=4, microbatches=2).validate(world=4, dims=dims)

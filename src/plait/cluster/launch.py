@@ -243,7 +243,8 @@ def launch(
     procs: list[subprocess.Popen[bytes]] = []
     logs: dict[int, Path] = {}
     start = time.monotonic()
-    timed_out, hung = False, []
+    timed_out = False
+    hung: list[int] = []
     with stop_signals_interrupt():
         try:
             for node in range(cluster.nodes):
