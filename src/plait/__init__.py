@@ -14,6 +14,7 @@ Library entry points (the `plait` command line is built on them):
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
@@ -38,16 +39,12 @@ _LAZY = {
     "Plan": "plait.parallel",
     "parallelize": "plait.parallel",
 }
-#: Subpackages reachable as attributes (``plait.crossover.attach`` after ``import plait``).
-_SUBPACKAGES = frozenset(
-    {"bench", "cluster", "comm", "crossover", "data", "dp", "fused", "kfac", "models",
-     "parallel", "train", "workloads"}
-)  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _SUBPACKAGES:
+    if not name.startswith("_") and importlib.util.find_spec(f"plait.{name}") is not None:
+        # every module is an attribute (``plait.crossover.attach`` after ``import plait``)
         return importlib.import_module(f"plait.{name}")
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
