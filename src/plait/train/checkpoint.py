@@ -119,16 +119,8 @@ class Checkpointer:
         return [(s, p) for s, p in self._steps() if (p / MANIFEST).is_file()]
 
     def _latest_here(self) -> Path | None:
-        for step, path in reversed(self._steps()):
-            try:
-                manifest = read_manifest(path)
-                if int(manifest["step"]) != step:
-                    raise CheckpointError(f"{path.name}'s manifest is for step {manifest['step']}")
-            except CheckpointError as exc:
-                logger.warning("skipping checkpoint %s: %s; trying an older one", path, exc)
-                continue
-            return path
-        return None
+        good, _ = self._verified_here()
+        return self.root / good[0] if good else None
 
     def _verified_here(self) -> tuple[list[str], list[str]]:
         """Complete checkpoints that verify (newest first), and why the others do not.
