@@ -131,7 +131,11 @@ class Checkpointer:
         bad: list[str] = []
         for step, path in reversed(self._steps()):
             if not (path / MANIFEST).is_file():
-                logger.warning("skipping %s: its save did not finish", path)
+                logger.warning(
+                    "skipping checkpoint %s: no %s (its save did not finish); trying an older one",
+                    path,
+                    MANIFEST,
+                )
                 continue
             try:
                 manifest = read_manifest(path)
