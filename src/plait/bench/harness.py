@@ -141,6 +141,12 @@ def _step(r: _Runner, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, phase: str
         r.optimizer.step()
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a CUDA step ends when its kernels do."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _round_batch(
     x_all: torch.Tensor, y_all: torch.Tensor, rnd: int, size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,14 +200,17 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
         index, phase = turn.contestant
         r = runners[index]
         x, y = _round_batch(x_all, y_all, turn.round, r.local_batch, device)
+        _synchronize(device)
         pdist.barrier()
         if phase is StepKind.COMPUTE:
             with Stopwatch() as sw, r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
                 _step(r, x, y, wl.loss, phase=phase.value)
+                _synchronize(device)
             return StepSample(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
         tx0 = _nic_tx_bytes()
         with comm_stats.window() as recs, Stopwatch() as sw:
             _step(r, x, y, wl.loss)
+            _synchronize(device)
         tx1 = _nic_tx_bytes()
         return StepSample(
             wall_s=sw.wall_s,
@@ -373,6 +382,8 @@ def bench_record(
         samples_per_s=world * batch / it.median,
         threads=torch.get_num_threads() if threads is None else threads,
         probe=probe,
+        link=os.environ.get("PLAIT_LINK") or None,
+        device=str(pdist.device()),
     )
 
 

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
 
+from plait.comm.stats import Collective
+
 _REGISTRY: dict[str, type[Compressor]] = {}
 
 
@@ -34,6 +36,8 @@ class Compressor(ABC):
     name: ClassVar[str] = ""
     #: Whether the compressor needs all gradients in one DDP bucket (see torch-powersgd).
     single_bucket: ClassVar[bool] = False
+    #: The collective kinds its hook issues.
+    collectives: ClassVar[frozenset[Collective]] = frozenset({Collective.ALL_REDUCE})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
