@@ -266,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     pl.add_argument("--all", action="store_true", help="list every candidate plan")
     pl.add_argument("--json", default=None, help="also write the table as JSON here")
+    pl.add_argument(
+        "--races",
+        default="benchmarks/race",
+        help="races (folders of plait race results) whose steps to target rank the "
+        "data-parallel strategies and optimizers by time to target (with --data real); "
+        "'none' ranks them by projected step time",
+    )
     _add_debug_flag(parser)
     return parser
 
@@ -987,10 +994,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{choice.plan.describe()}\n\nwhy: {choice.reason}\n"
     )
     print(choice.table(limit=None if args.all else 25))
+    advice = _data_parallel_advice(args, world)
+    print(f"\n{advice.text()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(choice.to_dict(), indent=2))
+        doc = {**choice.to_dict(), "data_parallel": {"best": advice.best, "rows": advice.rows}}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
+
+
+def _data_parallel_advice(args: argparse.Namespace, world: int) -> Any:
+    """The projection's data-parallel strategy and optimizer for the described cluster
+    (`plait.bench.project.recommend`), beside the parallel plan."""
+    from plait.bench.project import recommend
+
+    races = []
+    if args.races != "none" and Path(args.races).is_dir():
+        races = sorted(Path(args.races).glob("*/results.json"))
+    return recommend(
+        args.workload,
+        world=world,
+        rate=resolve_bandwidth(args.bandwidth),
+        races=races,
+        real=args.data == "real",
+    )
 
 
 def _probe_network(args: argparse.Namespace) -> Any:
@@ -1512,6 +1539,9 @@ def _validate_plan(args: argparse.Namespace) -> None:
         parse_size(args.memory, what="--memory size")
     args.bandwidth = _bandwidths(args.bandwidth, multi=False)
     _writable_file("--json", args.json)
+    default_races = _subcommand(build_parser(), "plan").get_default("races")
+    if args.races not in ("none", default_races) and not Path(args.races).is_dir():
+        raise ValueError(f"--races {args.races!r}: not a folder of race results (or 'none')")
 
 
 # ---------------------------------------------------------------------------- run configs

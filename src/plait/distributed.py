@@ -41,8 +41,8 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
 #: Environment variable naming the device kind of a job's ranks (``cpu`` or ``cuda``).
 DEVICE_ENV = "PLAIT_DEVICE"
 
-#: The device this process computes on, once `init_distributed` chose it.
-_device: torch.device | None = None
+#: The device this process computes on, once `init_distributed` chose it (one item).
+_chosen: list[torch.device] = []
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,6 @@ def init_distributed(*, timeout_s: float | None = None, backend: str | None = No
     The backend and this rank's device come from `current_placement` unless `backend`
     is given (then the device follows it: CUDA for ``nccl``).
     """
-    global _device
     if dist.is_initialized():
         return dist.get_world_size()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -150,7 +149,7 @@ def init_distributed(*, timeout_s: float | None = None, backend: str | None = No
         place = Placement(backend=backend, device=place.device if cuda else "cpu")
     if place.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(place.device))
-    _device = torch.device(place.device)
+    _chosen[:] = [torch.device(place.device)]
     if place.shared:
         logger.info(
             "rank %s computes on %s, shared with other ranks of this host; collectives "
@@ -245,8 +244,8 @@ def device() -> torch.device:
     user's own ``init_process_group``), CUDA's current device under NCCL or when
     ``PLAIT_DEVICE=cuda``, else the CPU.
     """
-    if _device is not None and dist.is_initialized():
-        return _device
+    if _chosen and dist.is_initialized():
+        return _chosen[0]
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     if os.environ.get(DEVICE_ENV, "").strip().lower() == "cuda" and torch.cuda.is_available():
@@ -264,9 +263,8 @@ def shutdown() -> None:
     finalisation, which aborts the process after the work has finished. Collecting first
     releases those references, so destroying the groups really joins their threads.
     """
-    global _device
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _device = None
+    _chosen.clear()
     gc.collect()

@@ -8,6 +8,7 @@ import pytest
 from plait.cluster import Cluster, NetworkSpec, list_clusters
 from plait.cluster.netns import ClusterError, netem_available, teardown_all
 
+
 def _namespaces() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}

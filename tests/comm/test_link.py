@@ -11,7 +11,7 @@ import torch
 
 from plait.comm import Collective, ops
 from plait.comm import link as mlink
-from plait.comm.cost import AlphaBeta, Algorithms
+from plait.comm.cost import Algorithms, AlphaBeta
 from plait.testing import run_distributed
 
 

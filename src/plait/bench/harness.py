@@ -64,6 +64,7 @@ class BenchSpec:
     seed: int = 0
     trace: str | None = None
     probe: bool = True
+    real: bool = False  # the workload's training model and data instead of the benchmark's
 
     def __post_init__(self) -> None:
         get_workload(self.workload)
@@ -167,7 +168,7 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
     # 4 rounds of the global batch: strategies that shard more than the data (n-D plans)
     # give each data-parallel replica world x batch / replicas samples
     pool = 4 * batch * world
-    data = wl.bench_data(max(pool, 8))
+    data = wl.real() if spec.real else wl.bench_data(max(pool, 8))
     xs, ys = (t for t in zip(*[data.train[i] for i in range(pool)], strict=True))
     x_all, y_all = torch.stack(list(xs)), torch.stack(list(ys))
     device = pdist.device()
@@ -179,14 +180,15 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
     if spec.trace:
         tracer.enable()
     runners: list[_Runner] = []
-    n_params = sum(p.numel() for p in wl.model(data.info, bench=True).parameters())
+    bench = not spec.real
+    n_params = sum(p.numel() for p in wl.model(data.info, bench=bench).parameters())
     for s in spec.strategies:
         seed_everything(spec.seed)
         strategy = make_strategy(s)
         strategy.bind_data(
             (x_all[:batch].to(device), y_all[:batch].to(device)), global_batch=batch * world
         )
-        model = strategy.wrap(wl.model(data.info, bench=True).to(device))
+        model = strategy.wrap(wl.model(data.info, bench=bench).to(device))
         opt = strategy.build_optimizer(
             model, lambda params: torch.optim.SGD(params, lr=spec.lr, momentum=0.9)
         )

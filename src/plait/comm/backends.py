@@ -48,7 +48,9 @@ def unsupported(needs: Iterable[Collective], *, backend: str, device: str) -> li
     return sorted({op for op in needs if op not in GLOO_CUDA}, key=str)
 
 
-def check_collectives(owner: str, needs: Iterable[Collective], *, backend: str, device: str) -> None:
+def check_collectives(
+    owner: str, needs: Iterable[Collective], *, backend: str, device: str
+) -> None:
     """Refuse `owner` (a strategy) when its collectives cannot run on `backend` and `device`.
 
     Raises:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from plait.comm.cost import AlphaBeta, Algorithms
+from plait.comm.cost import Algorithms, AlphaBeta
 from plait.comm.stats import Collective
 from plait.units import parse_duration, parse_rate
 
