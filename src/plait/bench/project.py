@@ -480,8 +480,9 @@ def project(
         )
     cost = profile.strategies.get(profile_key(spec))
     opt_s = profile.optimizer_s.get(optimizer, profile.optimizer_s["sgd"])
-    base = profile.forward_s + profile.backward_s + opt_s
-    own_compute = base if cost is None else cost.compute_s
+    sgd_s = profile.optimizer_s["sgd"]  # the step the profile's strategies were timed with
+    base = profile.forward_s + profile.backward_s + sgd_s
+    own_compute = (base if cost is None else cost.compute_s) - sgd_s + opt_s
     hook_total = 0.0 if cost is None else max(0.0, cost.step_s - cost.compute_s)
     k = _scale(profile, compute_s, own_compute)
     f, b, o = k * profile.forward_s, k * profile.backward_s, k * opt_s
@@ -497,8 +498,9 @@ def project(
         ready = f + b * max(g.ready for g in bucket) + shift
         share = sum(4.0 * math.prod(g.shape) for g in bucket) / max(dense_total, 1.0)
         h = hook_total * share
-        issue = ready
-        if not queued:
+        if queued:  # P = MQ before the first all-reduce, Q = M^T P before the second
+            issue = max(ready, wire.free) + h / 2
+        else:  # compression on the autograd thread holds backward up
             shift += h
             issue = ready + h
         ops = _collectives_of(comp, bucket, ws)
@@ -506,7 +508,7 @@ def project(
             if world > 1:
                 issue = wire.send(op, nbytes, issue)
             if queued and i == 0:
-                issue += h  # orthogonalisation and Q between the two all-reduces
+                issue += h / 2
             sent += nbytes
         if queued and world > 1:
             wire.free = max(wire.free, issue)
@@ -550,7 +552,7 @@ def _project_kfac(
     from dataclasses import replace
 
     from plait.kfac.costs import KFACCosts
-    from plait.kfac.factors import Method
+    from plait.kfac.factors import Method, second_order_numel
     from plait.kfac.layers import FactorKind
     from plait.kfac.pipeline import FactorComm
     from plait.kfac.placement import LOCAL, Distribution, factor_key, plan_placement
@@ -621,27 +623,40 @@ def _project_kfac(
     slowest = max(range(world), key=lambda i: loads[i])
     mine = loads[slowest]
     lazy = str(cfg.sync) == "lazy"
+    fac_every = cfg.factor_interval if isinstance(cfg.factor_interval, int) else 1
     # the one-process step's compute splits into the passes (with the factors), every
     # inversion (a world of one inverts them all), and preconditioning plus the optimizer
     precond = _precondition_s(layers, profile.flop_s)
-    tail1 = opt_s + precond
-    passes = max(cost.compute_s - all_inv - tail1, 0.0)
-    tail = tail1 if place.distribution is not Distribution.MEM_OPT else opt_s + precond / world
-    own_invert = passes + mine + tail  # the slowest worker's compute-only step that inverts
-    own_plain = passes + tail
-    own = own_invert if inv_every == 1 else (own_invert + (inv_every - 1) * own_plain) / inv_every
-    k = _scale(profile, compute_s, own)
-    plain = profile.forward_s + profile.backward_s
-    f = k * passes * profile.forward_s / plain
-    b = k * passes * profile.backward_s / plain
+    sgd_s = profile.optimizer_s["sgd"]
+    passes = max(cost.compute_s - all_inv - precond - sgd_s, 0.0)
+    plain_passes = min(passes, profile.forward_s + profile.backward_s)
+    mem_opt = place.distribution is Distribution.MEM_OPT
+    tail = opt_s + (precond / world if mem_opt else precond)
+    # per inv_every steps: one inverts (with factors), factor steps, plain steps
+    n_factor = max(inv_every // fac_every - 1, 0)
+    n_plain = inv_every - 1 - n_factor
+    kinds = [(True, True, 1), (False, True, n_factor), (False, False, n_plain)]
+
+    def own(invert: bool, factors: bool) -> float:
+        return (passes if factors else plain_passes) + (mine if invert else 0.0) + tail
+
+    measured_kind = (True, True) if inv_every == 1 else (False, fac_every == 1)
+    k = _scale(profile, compute_s, own(*measured_kind))
     tail *= k
+    plain = profile.forward_s + profile.backward_s
 
     def fbytes(n: str, kind: FactorKind) -> float:
         shape = layers[n].shape(kind)
         return 4.0 * (shape.packed_numel if packed else shape.dense_numel)
 
-    def one_step(invert: bool) -> tuple[float, float, float]:
-        """(step end, wire busy, bytes) of a step that inverts or not."""
+    def result_bytes(n: str, kind: FactorKind) -> float:
+        return 4.0 * second_order_numel(method, layers[n].shape(kind), packed=packed)
+
+    def one_step(invert: bool, factors: bool) -> tuple[float, float, float]:
+        """(step end, wire busy, bytes) of a step of that kind."""
+        work = passes if factors else plain_passes
+        f = k * work * profile.forward_s / plain
+        b = k * work * profile.backward_s / plain
         wire = _Wire(link, algorithms, world)
         buckets, wires, comp = _grad_buckets(profile, "ssgd")
         comp.close()
@@ -649,14 +664,13 @@ def _project_kfac(
             (f + b * max(g.ready for g in bk), 0, sum(ws), [])
             for bk, ws in zip(buckets, wires, strict=True)
         ]
-        send_factors = invert or not lazy
         items = []
         for n in names:
             a_at, g_at = profile.factor_ready.get(n, (1.0, 1.0))
             items.append(((n, FactorKind.A), f * a_at))
             items.append(((n, FactorKind.G), f + b * g_at))
         items.sort(key=lambda t: t[1])
-        if send_factors and world > 1:
+        if factors and (invert or not lazy) and world > 1:
             if cfg.comm is FactorComm.AFTER_BACKWARD:
                 queue += [(f + b, 1, fbytes(*key), [key]) for key, _ in items]
             else:
@@ -670,14 +684,9 @@ def _project_kfac(
                     else ReadyTimePlanner(cost=link, world=world)
                 )
                 for bk in planner.plan(fi):
-                    queue.append(
-                        (
-                            max(items[i][1] for i in bk),
-                            1,
-                            sum(fbytes(*items[i][0]) for i in bk),
-                            [items[i][0] for i in bk],
-                        )
-                    )
+                    at = max(items[i][1] for i in bk)
+                    nbytes = sum(fbytes(*items[i][0]) for i in bk)
+                    queue.append((at, 1, nbytes, [items[i][0] for i in bk]))
         landed: dict[tuple[str, FactorKind], float] = {}
         sent = 0.0
         for at, _, nbytes, keys in sorted(queue, key=lambda q: (q[0], q[1])):
@@ -691,6 +700,7 @@ def _project_kfac(
             return comm_end + tail, wire.busy, sent
         # the slowest worker's inversions: each once its factor landed (overlap), or all
         # after the last factor landed; then every result is broadcast by its owner
+        # (comm-opt), or every layer's preconditioned gradient by its owner (mem-opt)
         todo = sorted(
             (landed.get(key, backward_end), k * s)
             for key, s in fac_s.items()
@@ -698,34 +708,31 @@ def _project_kfac(
         )
         t = backward_end if cfg.overlap else comm_end
         for land, s in todo:
-            t = max(t, land if cfg.overlap else t) + s
+            t = (max(t, land) if cfg.overlap else t) + s
         inv_end = max(t, comm_end)
         if world > 1:
-            if place.distribution is Distribution.MEM_OPT:
-                out = [4.0 * sum(q.numel() for q in layers[n].parameters()) for n in names]
+            if mem_opt:
+                out = [4.0 * layers[n].grad_numel for n in names]
             else:
-                out = [fbytes(*key) for key in fac_s if owner[key] != LOCAL]
+                out = [result_bytes(*key) for key in fac_s if owner[key] != LOCAL]
             for nbytes in out:
                 wire.send(Collective.BROADCAST, nbytes, inv_end)
                 sent += nbytes
         return max(wire.free, inv_end) + tail, wire.busy, sent
 
-    inv_step, inv_busy, inv_sent = one_step(True)
-    if inv_every == 1:
-        step, busy, sent = inv_step, inv_busy, inv_sent
-    else:
-        plain_step, plain_busy, plain_sent = one_step(False)
-        w = 1.0 / inv_every
-        step = w * inv_step + (1 - w) * plain_step
-        busy = w * inv_busy + (1 - w) * plain_busy
-        sent = w * inv_sent + (1 - w) * plain_sent
+    total = [0.0, 0.0, 0.0]
+    for invert, factors, count in kinds:
+        if count:
+            step_kind = one_step(invert, factors)
+            total = [t + count * x / inv_every for t, x in zip(total, step_kind, strict=True)]
+    step, busy, sent = total
     return StepEstimate(
         strategy=spec,
         world=world,
         step_s=step,
-        compute_s=k * own,
+        compute_s=k * sum(c * own(i, fa) for i, fa, c in kinds) / inv_every,
         wire_s=busy,
-        exposed_s=step - k * own,
+        exposed_s=step - k * sum(c * own(i, fa) for i, fa, c in kinds) / inv_every,
         bytes_per_step=sent,
         notes=[
             f"distribution {place.distribution}",
