@@ -17,12 +17,12 @@ carries what is measured here to those sizes with the alpha-beta model:
 `project` simulates one step of a strategy on `world` workers: forward, then backward
 releasing gradient buckets at their ready times onto one wire per worker (each transfer
 starts when it is issued and the wire is free, so communication overlaps the backward pass
-as it does in DDP), compression on the autograd thread (Power-SGD's on its queue between
-its two all-reduces), K-FAC's factor all-reduces after backward (``kfac-naive``), in
+as it does in DDP), compression on the compute path before its bucket leaves (it competes
+with backward for the device; Power-SGD's two all-reduces one after the other), K-FAC's factor all-reduces after backward (``kfac-naive``), in
 threshold buckets (``kfac-static``) or ready-time buckets (``spd-kfac``) sharing that wire,
 the inversions of the slowest worker once their factors landed, the broadcast of their
-results, and the preconditioning and optimizer step. `time_to_target` multiplies a step by
-the steps to a target measured in the races (``benchmarks/race``).
+results, and the preconditioning and optimizer step. `cluster_map` and `recommend` multiply a
+step by the steps to a target measured in the races (``benchmarks/race``).
 
 Compute measured on one process is the compute of a node with that device to itself. On
 the emulated cluster the nodes share two cores, so `validate` scales the profile's compute
@@ -490,28 +490,21 @@ def project(
     buckets, wires, comp = _grad_buckets(profile, spec)
     dense_total = sum(4.0 * math.prod(g.shape) for g in profile.grads)
     wire = _Wire(link, algorithms, world)
-    # Power-SGD's queue thread computes between its two all-reduces; torch's hook likewise
-    queued = getattr(comp, "name", "") in ("powersgd", "torch-powersgd")
     shift = 0.0
     sent = 0.0
     for bucket, ws in zip(buckets, wires, strict=True):
         ready = f + b * max(g.ready for g in bucket) + shift
         share = sum(4.0 * math.prod(g.shape) for g in bucket) / max(dense_total, 1.0)
         h = hook_total * share
-        if queued:  # P = MQ before the first all-reduce, Q = M^T P before the second
-            issue = max(ready, wire.free) + h / 2
-        else:  # compression on the autograd thread holds backward up
-            shift += h
-            issue = ready + h
-        ops = _collectives_of(comp, bucket, ws)
-        for i, (op, nbytes) in enumerate(ops):
+        # compression competes with backward for the device (a GPU stream, or cores the
+        # emulated nodes already fill), so its time is on the compute path; the bucket's
+        # collectives leave after it, Power-SGD's two one after the other
+        shift += h
+        issue = ready + h
+        for op, nbytes in _collectives_of(comp, bucket, ws):
             if world > 1:
                 issue = wire.send(op, nbytes, issue)
-            if queued and i == 0:
-                issue += h / 2
             sent += nbytes
-        if queued and world > 1:
-            wire.free = max(wire.free, issue)
     backward_end = f + b + shift
     step = max(backward_end, wire.free) + o
     comp.close()
