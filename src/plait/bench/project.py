@@ -18,11 +18,12 @@ carries what is measured here to those sizes with the alpha-beta model:
 releasing gradient buckets at their ready times onto one wire per worker (each transfer
 starts when it is issued and the wire is free, so communication overlaps the backward pass
 as it does in DDP), compression on the compute path before its bucket leaves (it competes
-with backward for the device; Power-SGD's two all-reduces one after the other), K-FAC's factor all-reduces after backward (``kfac-naive``), in
-threshold buckets (``kfac-static``) or ready-time buckets (``spd-kfac``) sharing that wire,
-the inversions of the slowest worker once their factors landed, the broadcast of their
-results, and the preconditioning and optimizer step. `cluster_map` and `recommend` multiply a
-step by the steps to a target measured in the races (``benchmarks/race``).
+with backward for the device; Power-SGD's two all-reduces one after the other), K-FAC's
+factor all-reduces after backward (``kfac-naive``), in threshold buckets (``kfac-static``)
+or ready-time buckets (``spd-kfac``) sharing that wire, the inversions of the slowest
+worker once their factors landed, the broadcast of their results, and the preconditioning
+and optimizer step. `cluster_map` and `recommend` multiply a step by the steps to a target
+measured in the races (``benchmarks/race``).
 
 Compute measured on one process is the compute of a node with that device to itself. On
 the emulated cluster the nodes share two cores, so `validate` scales the profile's compute
