@@ -543,8 +543,9 @@ def _project_kfac(
 ) -> StepEstimate:
     """K-FAC over S-SGD: see the module docstring; intervals of 1 (every step computes
     factors and inverts), or amortised over `inv_interval` and `factor_interval`."""
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
+    from plait.kfac.config import KFACConfig
     from plait.kfac.costs import KFACCosts
     from plait.kfac.factors import Method, second_order_numel
     from plait.kfac.layers import FactorKind
@@ -553,8 +554,11 @@ def _project_kfac(
     from plait.train.strategies.kfac import PRESETS, KFACPreset
 
     name, options = parse_spec(spec)
-    cfg = replace(
-        PRESETS[KFACPreset(name)], **{k: v for k, v in options.items() if k != "compression"}
+    config = {f.name for f in fields(KFACConfig)}
+    cfg = replace(PRESETS[KFACPreset(name)], **{k: v for k, v in options.items() if k in config})
+    comp_opts = {k: v for k, v in options.items() if k not in config and k != "compression"}
+    grad_spec = str(options.get("compression", "ssgd")) + (
+        ":" + ",".join(f"{k}={v}" for k, v in comp_opts.items()) if comp_opts else ""
     )
     inv_every = cfg.inv_interval if isinstance(cfg.inv_interval, int) else 1
     layers = layers if layers is not None else _kfac_layers(profile)
@@ -652,12 +656,13 @@ def _project_kfac(
         f = k * work * profile.forward_s / plain
         b = k * work * profile.backward_s / plain
         wire = _Wire(link, algorithms, world)
-        buckets, wires, comp = _grad_buckets(profile, "ssgd")
-        comp.close()
+        buckets, wires, comp = _grad_buckets(profile, grad_spec)
         queue: list[tuple[float, int, float, list[tuple[str, FactorKind]]]] = [
-            (f + b * max(g.ready for g in bk), 0, sum(ws), [])
+            (f + b * max(g.ready for g in bk), 0, nbytes, [])
             for bk, ws in zip(buckets, wires, strict=True)
+            for _, nbytes in _collectives_of(comp, bk, ws)
         ]
+        comp.close()
         items = []
         for n in names:
             a_at, g_at = profile.factor_ready.get(n, (1.0, 1.0))
@@ -873,24 +878,23 @@ AUTO_INTERVAL = 3
 
 def projectable(spec: str) -> str:
     """`spec` with what the projection cannot price fixed: K-FAC's automatic intervals
-    become `AUTO_INTERVAL`, options of the K-FAC math that change no byte or step kept."""
+    become `AUTO_INTERVAL`; options of the K-FAC math that change no byte or step dropped
+    (damping, clipping, the approximation); the gradient compressor and its options kept."""
+    from dataclasses import fields
+
+    from plait.kfac.config import KFACConfig
+
     name, options = parse_spec(spec)
     if name not in KFAC_PRESETS:
         return spec
+    config = {f.name for f in fields(KFACConfig)}
+    mechanics = {"packed", "comm", "sync", "placement", "distribution", "overlap"}
+    mechanics |= {"local_inversion", "bucket_cap_mb"}
     keep = {}
     for k, v in options.items():
         if k in ("factor_interval", "inv_interval"):
             keep[k] = AUTO_INTERVAL if v == "auto" else v
-        elif k in (
-            "packed",
-            "comm",
-            "sync",
-            "placement",
-            "distribution",
-            "overlap",
-            "local_inversion",
-            "bucket_cap_mb",
-        ):
+        elif k in mechanics or k not in config:  # the compressor and its options too
             keep[k] = v
     return name + (":" + ",".join(f"{k}={v}" for k, v in keep.items()) if keep else "")
 
