@@ -141,3 +141,22 @@ def test_projectable_fixes_automatic_intervals() -> None:
     assert pj.profile_key(spec) == "spd-kfac:approximation=reduce"
     assert pj.profile_key("acpsgd:rank=4") == "acpsgd:rank=4"
     assert math.isfinite(pj.TOLERANCE)
+
+
+def test_recommend_ranks_by_time_to_target_where_races_reached_it(tmp_path: Path) -> None:
+    race = [
+        {"workload": "digits-mlp", "spec": "ssgd", "optimizer": "adamw", "steps_to_target": 50},
+        {"workload": "digits-mlp", "spec": "ssgd", "optimizer": "sgd", "steps_to_target": 500},
+    ]
+    (tmp_path / "results.json").write_text(json.dumps(race))
+    rec = pj.recommend(
+        "digits-mlp", world=16, rate="10gbit", races=[tmp_path / "results.json"], real=True
+    )
+    assert rec.by_target and rec.best == "ssgd+adamw"  # a tenth of the steps
+    assert [r[0] for r in rec.rows] == ["ssgd+adamw", "ssgd+sgd"]
+    assert "ssgd+adamw" in rec.text() and "time to the races' target" in rec.text()
+    plain = pj.recommend("digits-mlp", world=16, rate="1gbit", real=True)
+    assert not plain.by_target  # no race: ranked by step, the workload's own optimizer
+    assert {r[0] for r in plain.rows} == {f"{s}+sgd" for s in pj.DEFAULT_CANDIDATES}
+    steps = [r[1] for r in plain.rows]
+    assert steps == sorted(steps) and all(r[2] is None for r in plain.rows)

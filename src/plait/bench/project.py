@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from plait.comm import AlphaBeta, Collective
-from plait.comm.cost import Algorithms
+from plait.comm.cost import Algorithms, wire_bytes_as
 from plait.comm.fusion import (
     DDP_DEFAULT_BUCKET_MB,
     DDP_DEFAULT_FINAL_BUCKET_MB,
@@ -370,17 +370,26 @@ class StepEstimate:
 
 
 class _Wire:
-    """One worker's outgoing link: transfers in issue order, one at a time."""
+    """One worker's outgoing link: transfers in issue order, one at a time.
 
-    def __init__(self, link: AlphaBeta, algorithms: Algorithms, world: int) -> None:
+    `host_s_per_byte` is the host CPU a byte on the wire costs where the collectives run on
+    the cores that compute (gloo on the emulated cluster); `host_s` sums it.
+    """
+
+    def __init__(
+        self, link: AlphaBeta, algorithms: Algorithms, world: int, host_s_per_byte: float = 0.0
+    ) -> None:
         self.link, self.algorithms, self.world = link, algorithms, world
+        self.host_s_per_byte = host_s_per_byte
         self.free = 0.0
         self.busy = 0.0
+        self.host_s = 0.0
 
     def send(self, op: Collective, nbytes: float, at: float) -> float:
         cost = self.link.time_as(self.algorithms, op, nbytes, self.world)
         self.free = max(at, self.free) + cost
         self.busy += cost
+        self.host_s += self.host_s_per_byte * wire_bytes_as(self.algorithms, op, nbytes, self.world)
         return self.free
 
 
@@ -455,6 +464,7 @@ def project(
     compute_s: float | None = None,
     optimizer: str = "sgd",
     layers: Any = None,
+    host_s_per_byte: float = 0.0,
 ) -> StepEstimate:
     """Predict one step of strategy `spec` on `world` workers over `link`.
 
@@ -466,6 +476,9 @@ def project(
         optimizer: the optimizer whose step the profile timed (sgd, adamw, muon).
         layers: K-FAC's layers of the workload's model (`plait.kfac.preconditioner.
             select_layers`); built from the workload when None.
+        host_s_per_byte: host CPU seconds per byte sent, on the compute path: the cost of
+            collectives that run on the computing cores (gloo on the emulated cluster's
+            shared cores, `host_cost`); 0 where a NIC and NCCL move the bytes.
     """
     name, _ = parse_spec(spec)
     if name in KFAC_PRESETS:
@@ -478,6 +491,7 @@ def project(
             compute_s=compute_s,
             optimizer=optimizer,
             layers=layers,
+            host_s_per_byte=host_s_per_byte,
         )
     cost = profile.strategies.get(profile_key(spec))
     opt_s = profile.optimizer_s.get(optimizer, profile.optimizer_s["sgd"])
@@ -490,7 +504,7 @@ def project(
     hook_total *= k
     buckets, wires, comp = _grad_buckets(profile, spec)
     dense_total = sum(4.0 * math.prod(g.shape) for g in profile.grads)
-    wire = _Wire(link, algorithms, world)
+    wire = _Wire(link, algorithms, world, host_s_per_byte)
     shift = 0.0
     sent = 0.0
     for bucket, ws in zip(buckets, wires, strict=True):
@@ -502,10 +516,12 @@ def project(
         # collectives leave after it, Power-SGD's two one after the other
         shift += h
         issue = ready + h
+        host = wire.host_s
         for op, nbytes in _collectives_of(comp, bucket, ws):
             if world > 1:
                 issue = wire.send(op, nbytes, issue)
             sent += nbytes
+        shift += wire.host_s - host  # the collective's host work delays the compute
     backward_end = f + b + shift
     step = max(backward_end, wire.free) + o
     comp.close()
@@ -540,6 +556,7 @@ def _project_kfac(
     compute_s: float | None,
     optimizer: str,
     layers: Any,
+    host_s_per_byte: float = 0.0,
 ) -> StepEstimate:
     """K-FAC over S-SGD: see the module docstring; intervals of 1 (every step computes
     factors and inverts), or amortised over `inv_interval` and `factor_interval`."""
@@ -655,7 +672,7 @@ def _project_kfac(
         work = passes if factors else plain_passes
         f = k * work * profile.forward_s / plain
         b = k * work * profile.backward_s / plain
-        wire = _Wire(link, algorithms, world)
+        wire = _Wire(link, algorithms, world, host_s_per_byte)
         buckets, wires, comp = _grad_buckets(profile, grad_spec)
         queue: list[tuple[float, int, float, list[tuple[str, FactorKind]]]] = [
             (f + b * max(g.ready for g in bk), 0, nbytes, [])
@@ -688,15 +705,19 @@ def _project_kfac(
                     queue.append((at, 1, nbytes, [items[i][0] for i in bk]))
         landed: dict[tuple[str, FactorKind], float] = {}
         sent = 0.0
+        during = 0.0  # host work of collectives issued while the passes run delays them
         for at, _, nbytes, keys in sorted(queue, key=lambda q: (q[0], q[1])):
+            host = wire.host_s
             end = wire.send(Collective.ALL_REDUCE, nbytes, at) if world > 1 else at
+            if at < f + b:
+                during += wire.host_s - host
             sent += nbytes
             for key in keys:
                 landed[key] = end
-        backward_end = f + b
+        backward_end = f + b + during
         comm_end = max(wire.free, backward_end)
         if not invert:
-            return comm_end + tail, wire.busy, sent
+            return comm_end + tail + (wire.host_s - during), wire.busy, sent
         # the slowest worker's inversions: each once its factor landed (overlap), or all
         # after the last factor landed; then every result is broadcast by its owner
         # (comm-opt), or every layer's preconditioned gradient by its owner (mem-opt)
@@ -717,7 +738,7 @@ def _project_kfac(
             for nbytes in out:
                 wire.send(Collective.BROADCAST, nbytes, inv_end)
                 sent += nbytes
-        return max(wire.free, inv_end) + tail, wire.busy, sent
+        return max(wire.free, inv_end) + (wire.host_s - during) + tail, wire.busy, sent
 
     total = [0.0, 0.0, 0.0]
     for invert, factors, count in kinds:
@@ -776,11 +797,24 @@ class Check:
         return abs(self.error) <= TOLERANCE
 
 
+def host_cost(probe: Mapping[str, Any]) -> float:
+    """Host CPU seconds per wire byte of the emulated cluster's collectives, from an
+    unshaped `plait cluster probe` (its largest all-reduce's bus bandwidth): where nothing
+    shapes the link, gloo's reductions and the kernel's TCP path on the shared cores are
+    what limits a collective, so each byte costs the cores that much time."""
+    return 8.0 / float(probe["busbw_bps"][-1])
+
+
 def validate(
-    profiles: Mapping[str, Profile], records: Sequence[Mapping[str, Any]], *, source: str = ""
+    profiles: Mapping[str, Profile],
+    records: Sequence[Mapping[str, Any]],
+    *,
+    source: str = "",
+    host_s_per_byte: float = 0.0,
 ) -> list[Check]:
     """Predict every `plait bench` record of a profiled workload from its measured compute
-    and its link's rate (gloo's algorithms, as the emulated cluster runs them)."""
+    and its link's rate (gloo's algorithms, as the emulated cluster runs them), with the
+    emulated host's CPU cost per byte sent (`host_cost`)."""
     from plait.units import parse_duration, parse_rate
 
     out = []
@@ -805,6 +839,7 @@ def validate(
             algorithms=Algorithms.GLOO,
             compute_s=float(r["compute_time_s"]),
             layers=layers,
+            host_s_per_byte=host_s_per_byte,
         )
         out.append(
             Check(
@@ -1127,6 +1162,13 @@ def main(argv: list[str] | None = None) -> int:
     va = sub.add_parser("validate", help="projection vs emulated `plait bench` results")
     va.add_argument("--profile", type=Path, action="append", required=True)
     va.add_argument("--results", type=Path, action="append", required=True)
+    va.add_argument(
+        "--host-probe",
+        type=Path,
+        default=None,
+        help="an unshaped probe of the emulated cluster (JSON of plait cluster probe): "
+        "the host's CPU cost per byte sent",
+    )
     va.add_argument("--out", type=Path, required=True)
     ma = sub.add_parser("map", help="which strategy and optimizer wins where")
     ma.add_argument("--profile", type=Path, required=True)
@@ -1145,10 +1187,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.action == "validate":
         profiles = {p.workload: p for p in map(Profile.load, args.profile)}
+        host = (
+            0.0 if args.host_probe is None else host_cost(json.loads(args.host_probe.read_text()))
+        )
         checks: list[Check] = []
         for path in args.results:
             recs = json.loads((path / "results.json").read_text())
-            checks += validate(profiles, recs, source=str(path))
+            checks += validate(profiles, recs, source=str(path), host_s_per_byte=host)
         write_json(
             [{**asdict(c), "error": c.error, "ok": c.ok} for c in checks],
             args.out / "results.json",
