@@ -62,6 +62,21 @@ def test_delay_completes_at_the_wire_end_and_fails_at_once() -> None:
         out.wait()  # not after a minute: a failure is never delayed
 
 
+def test_many_transfers_in_flight_complete_in_wire_order() -> None:
+    link = mlink.ModelledLink(AlphaBeta(alpha=0.0, beta=0.0))
+    t0 = time.perf_counter()
+    order: list[int] = []
+    futs = []
+    for i, delay in enumerate((0.06, 0.02, 0.04, 0.04)):  # two due at the same time
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        late = link.delay(done, ends_at=t0 + delay)
+        late.add_done_callback(lambda _f, i=i: order.append(i))
+        done.set_result(i)
+        futs.append(late)
+    assert [f.wait() for f in futs] == [0, 1, 2, 3]
+    assert order == [1, 2, 3, 0]  # by due time, ties in issue order
+
+
 def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(mlink.LINK_ENV, raising=False)
     assert mlink.from_env() is None

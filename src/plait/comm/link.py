@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,12 +75,14 @@ def link_model(rate_bps: float, *, latency_s: float = 0.0) -> AlphaBeta:
     return AlphaBeta(alpha=LINK_ALPHA_S + latency_s, beta=8.0 * FRAMING / rate_bps)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class _Due:
+    """A future to complete at `at` (ties in issue order); ordered for the heap."""
+
     at: float
     seq: int
-    future: torch.futures.Future[Any]
-    value: Any
+    future: torch.futures.Future[Any] = field(compare=False)
+    value: Any = field(compare=False)
 
 
 class ModelledLink:
@@ -139,12 +141,12 @@ class ModelledLink:
         def landed(done: torch.futures.Future[Any]) -> None:
             try:
                 value = done.value()
+                if cuda:
+                    torch.cuda.current_stream().synchronize()
+                self._schedule(ends_at, out, value)
             except Exception as exc:  # never delay a failure: the waiters must raise now
-                out.set_exception(exc)
-                return
-            if cuda:
-                torch.cuda.current_stream().synchronize()
-            self._schedule(ends_at, out, value)
+                if not out.done():
+                    out.set_exception(exc)
 
         fut.add_done_callback(landed)
         return out
@@ -171,8 +173,12 @@ class ModelledLink:
                     continue
                 due = heapq.heappop(self._heap)
             # completing runs the future's callbacks (a compressor's decompression) here,
-            # as a real backend runs them on its own thread
-            due.future.set_result(due.value)
+            # as a real backend runs them on its own thread; their errors go to their own
+            # futures, and nothing may stop this thread while others wait on it
+            try:
+                due.future.set_result(due.value)
+            except Exception:
+                logger.exception("modelled link: completing a collective's future failed")
 
     def describe(self) -> str:
         rate = self.model.bandwidth_bps / FRAMING
