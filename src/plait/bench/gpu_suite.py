@@ -121,7 +121,7 @@ def parts(*, dry_run: bool = False) -> list[Part]:
                     "--out",
                     "{out}",
                 ),
-                budget_s=170,
+                budget_s=150,
                 what="fused arrays vs serial and vmap, N = 1..64",
             ),
             Part(
@@ -146,7 +146,7 @@ def parts(*, dry_run: bool = False) -> list[Part]:
                     "--out",
                     "{out}",
                 ),
-                budget_s=90,
+                budget_s=80,
                 what="fused arrays vs concurrent processes (MPS-less sharing), N = 1, 4, 16",
             ),
         ]
@@ -167,7 +167,7 @@ def parts(*, dry_run: bool = False) -> list[Part]:
             "--out",
             "{out}",
         ),
-        budget_s=20 if dry_run else 60,
+        budget_s=20 if dry_run else 50,
         what="K-FAC steps vs SGD, AdamW and Muon steps",
     )
     ranks = ("--nodes", "2") if dry_run else ("--nodes", "4")
@@ -191,11 +191,11 @@ def parts(*, dry_run: bool = False) -> list[Part]:
             "--device",
             device,
             "--timeout",
-            "40" if dry_run else "150",
+            "40" if dry_run else "130",
             "--out",
             "{out}",
         ),
-        budget_s=45 if dry_run else 160,
+        budget_s=45 if dry_run else 140,
         what="data-parallel strategies, ranks sharing the GPU, slow and fast",
     )
     crossover = Part(
@@ -219,11 +219,11 @@ def parts(*, dry_run: bool = False) -> list[Part]:
             "--device",
             device,
             "--timeout",
-            "50" if dry_run else "110",
+            "50" if dry_run else "100",
             "--out",
             "{out}",
         ),
-        budget_s=55 if dry_run else 120,
+        budget_s=55 if dry_run else 110,
         what="two co-located jobs, alone, uncoordinated and with crossover",
     )
     return [*fused, kfac, dp, crossover]

@@ -70,17 +70,6 @@ class AlphaBeta:
                 return self.time(Collective.ALL_REDUCE, nbytes, world)
         return self.time(op, nbytes, world)
 
-
-def wire_bytes_as(algorithms: Algorithms, op: Collective, nbytes: float, world: int) -> float:
-    """Bytes one worker sends for a collective run with `algorithms` (the root's, for
-    gloo's tree broadcast: once per tree level)."""
-    if algorithms is Algorithms.GLOO and world > 1:
-        if op is Collective.BROADCAST:
-            return math.ceil(math.log2(world)) * nbytes
-        if op is Collective.REDUCE_SCATTER:
-            return wire_bytes(Collective.ALL_REDUCE, int(nbytes), world)
-    return wire_bytes(op, int(nbytes), world)
-
     def total(self, records: Iterable[CollectiveRecord]) -> float:
         """Seconds of the records run back to back: a lower bound on their communication."""
         return sum(self.time(r.op, r.nbytes, r.world) for r in records)
@@ -106,6 +95,17 @@ def wire_bytes_as(algorithms: Algorithms, op: Collective, nbytes: float, world: 
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def wire_bytes_as(algorithms: Algorithms, op: Collective, nbytes: float, world: int) -> float:
+    """Bytes one worker sends for a collective run with `algorithms` (the root's, for
+    gloo's tree broadcast: once per tree level)."""
+    if algorithms is Algorithms.GLOO and world > 1:
+        if op is Collective.BROADCAST:
+            return math.ceil(math.log2(world)) * nbytes
+        if op is Collective.REDUCE_SCATTER:
+            return wire_bytes(Collective.ALL_REDUCE, int(nbytes), world)
+    return wire_bytes(op, int(nbytes), world)
 
 
 @dataclass(frozen=True, kw_only=True)
