@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from plait.bench import project as pj
+from plait.bench.project import step
 from plait.comm import AlphaBeta, Collective
 from plait.comm.cost import Algorithms
 from plait.comm.link import link_model
@@ -41,7 +42,7 @@ def test_a_slow_link_makes_the_step_its_wire_time() -> None:
     assert est.wire_s == pytest.approx(wire)
     # the first bucket leaves when its last gradient is ready, and the wire is never idle
     # after: the step is that start + the wire time + the optimizer
-    first = 0.1 + 0.2 * max(g.ready for g in pj._grad_buckets(_profile(), "ssgd")[0][0])
+    first = 0.1 + 0.2 * max(g.ready for g in step.grad_buckets(_profile(), "ssgd")[0][0])
     assert est.step_s == pytest.approx(first + wire + 0.05)
 
 
@@ -51,8 +52,8 @@ def test_compression_shrinks_the_wire_and_costs_its_compute() -> None:
     prof = _profile(strategies=cost)
     acp = pj.project(prof, "acpsgd:rank=4", world=4, link=link)
     ssgd = pj.project(prof, "ssgd", world=4, link=link)
-    comp = pj._compressor("acpsgd:rank=4")
-    sent = sum(comp.payload_nbytes(g.name, pj.torch.empty(g.shape, device="meta")) for g in GRADS)
+    comp = step.compressor("acpsgd:rank=4")
+    sent = sum(comp.payload_nbytes(g.name, step.torch.empty(g.shape, device="meta")) for g in GRADS)
     assert acp.bytes_per_step == pytest.approx(sent) and sent < 4 * 8e6 / 100
     assert acp.step_s < ssgd.step_s / 10
     assert acp.step_s >= 0.45  # its compression (0.1 s) is on the autograd thread
