@@ -18,7 +18,7 @@ Parts, on ``--device cuda``:
    through gloo) at ``slow`` and ``fast`` (``plait bench --device cuda``): shaped by tc
    where the machine allows namespaces, else by the modelled link (`plait.comm.link`).
 4. ``crossover``: two co-located jobs on the GPU, alone, uncoordinated and with crossover
-   (``plait crossover run --compare``).
+   (``plait crossover run --compare``; the dry run co-locates them under the token once).
 
 ``--dry-run`` runs the same parts small, on the CPU, in under a minute: the test suite runs
 it, so the command a lent machine gets has run before it gets there.
@@ -206,15 +206,17 @@ def parts(*, dry_run: bool = False) -> list[Part]:
             "run",
             "mlp/ssgd" if dry_run else "resnet18/ssgd",
             "mlp/ssgd" if dry_run else "resnet18/ssgd",
-            "--compare",
+            # the rehearsal co-locates the jobs under the token once; comparing them with
+            # their runs alone needs jobs longer than the launches' jitter, minutes here
+            *(("--mode", "crossover") if dry_run else ("--compare",)),
             "--nodes",
             "1" if dry_run else "2",
             "--bandwidth",
             "balanced",
             "--steps",
-            "16" if dry_run else "12",
+            "4" if dry_run else "12",
             "--warmup",
-            "2" if dry_run else "3",
+            "1" if dry_run else "3",
             *(("--link", "model") if dry_run else ()),
             "--device",
             device,
