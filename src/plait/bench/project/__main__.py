@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         help="an unshaped probe of the emulated cluster (JSON of plait cluster probe): "
         "the host's CPU cost per byte sent",
     )
+    va.add_argument(
+        "--host-bps",
+        type=float,
+        default=None,
+        help="the same as a bus bandwidth in bit/s (the unshaped links' all-reduce rate)",
+    )
     va.add_argument("--out", type=Path, required=True)
     ma = sub.add_parser("map", help="which strategy and optimizer wins where")
     ma.add_argument("--profile", type=Path, required=True)
@@ -60,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.action == "validate":
         profiles = {p.workload: p for p in map(Profile.load, args.profile)}
-        host = (
-            0.0 if args.host_probe is None else host_cost(json.loads(args.host_probe.read_text()))
-        )
+        host = 0.0
+        if args.host_probe is not None:
+            host = host_cost(json.loads(args.host_probe.read_text()))
+        elif args.host_bps is not None:
+            host = host_cost({"busbw_bps": [args.host_bps]})
         checks: list[Check] = []
         for path in args.results:
             recs = json.loads((path / "results.json").read_text())
