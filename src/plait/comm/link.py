@@ -135,7 +135,9 @@ class ModelledLink:
         """
         cuda = device is not None and device.type == "cuda"
         out: torch.futures.Future[Any] = (
-            torch.futures.Future(devices=[device]) if cuda else torch.futures.Future()
+            torch.futures.Future(devices=[device])
+            if device is not None and cuda
+            else torch.futures.Future()
         )
 
         def landed(done: torch.futures.Future[Any]) -> None:

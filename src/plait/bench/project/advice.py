@@ -18,8 +18,10 @@ from plait.bench.project.step import (
     project,
     projectable,
 )
+from plait.comm import AlphaBeta, Collective
 from plait.comm.cost import Algorithms
 from plait.comm.link import link_model
+from plait.comm.stats import latency_steps, wire_bytes
 from plait.specs import parse_spec
 
 #: The projection's goal against the emulated cluster: every step within 15%.
@@ -57,6 +59,24 @@ def host_cost(probe: Mapping[str, Any]) -> float:
     return 8.0 / float(probe["busbw_bps"][-1])
 
 
+def start_up_s(probe: Mapping[str, Any] | None, link: AlphaBeta) -> float:
+    """A message's start-up time on the job's links, from the probe the benchmark harness
+    ran at the job's start: its smallest all-reduce's time less that payload's wire time
+    on `link`, per sequential message of the ring (0 without a probe).
+
+    On the emulated cluster a message costs about a millisecond (gloo's handshakes and the
+    kernel's TCP path on cores the ranks share), twenty times a bare link's alpha: the
+    difference between a compressor's many small all-reduces and one large one.
+    """
+    if not probe or not probe.get("sizes"):
+        return 0.0
+    world = int(probe["world"])
+    n, t = float(probe["sizes"][0]), float(probe["seconds"][0])
+    steps = latency_steps(Collective.ALL_REDUCE, world)
+    wire = wire_bytes(Collective.ALL_REDUCE, int(n), world) * link.beta
+    return max(0.0, (t - wire) / max(steps, 1))
+
+
 def validate(
     profiles: Mapping[str, Profile],
     records: Sequence[Mapping[str, Any]],
@@ -64,9 +84,10 @@ def validate(
     source: str = "",
     host_s_per_byte: float = 0.0,
 ) -> list[Check]:
-    """Predict every `plait bench` record of a profiled workload from its measured compute
-    and its link's rate (gloo's algorithms, as the emulated cluster runs them), with the
-    emulated host's CPU cost per byte sent (`host_cost`)."""
+    """Predict every `plait bench` record of a profiled workload from its measured compute,
+    its link's rate with the start-up time its job's probe measured (`start_up_s`), gloo's
+    algorithms (as the emulated cluster runs them) and the emulated host's CPU cost per
+    byte sent (`host_cost`)."""
     from plait.units import parse_duration, parse_rate
 
     out = []
@@ -79,6 +100,7 @@ def validate(
         link = link_model(
             parse_rate(str(r["rate"])), latency_s=parse_duration(latency) if latency else 0.0
         )
+        link = AlphaBeta(alpha=max(link.alpha, start_up_s(r.get("probe"), link)), beta=link.beta)
         spec = str(r["strategy_spec"])
         layers = None
         if parse_spec(spec)[0] in KFAC_PRESETS:

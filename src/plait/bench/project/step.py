@@ -172,13 +172,16 @@ def project(
         )
     cost = profile.strategies.get(profile_key(spec))
     opt_s = profile.optimizer_s.get(optimizer, profile.optimizer_s["sgd"])
-    sgd_s = profile.optimizer_s["sgd"]  # the step the profile's strategies were timed with
-    base = profile.forward_s + profile.backward_s + sgd_s
-    own_compute = (base if cost is None else cost.compute_s) - sgd_s + opt_s
-    hook_total = 0.0 if cost is None else max(0.0, cost.step_s - cost.compute_s)
-    k = _scale(profile, compute_s, own_compute)
+    passes = profile.forward_s + profile.backward_s
+    # the compute-only step is forward, backward and the optimizer: the target's one (its
+    # contention included) fixes the scale; without one, the profile's own
+    own = passes + opt_s if cost is None else cost.compute_s - profile.optimizer_s["sgd"] + opt_s
+    k = (compute_s if compute_s is not None else own) / (passes + opt_s)
     f, b, o = k * profile.forward_s, k * profile.backward_s, k * opt_s
-    hook_total *= k
+    # the strategy's own computation (compression) scales with its compute-only step
+    hook_total = 0.0 if cost is None else max(0.0, cost.step_s - cost.compute_s)
+    hook_total *= k * (passes + opt_s) / max(own, 1e-12)
+    own_compute = k * (passes + opt_s)
     buckets, wires, comp = grad_buckets(profile, spec)
     dense_total = sum(4.0 * math.prod(g.shape) for g in profile.grads)
     wire = _Wire(link, algorithms, world, host_s_per_byte)
@@ -206,9 +209,9 @@ def project(
         strategy=spec,
         world=world,
         step_s=step,
-        compute_s=k * own_compute,
+        compute_s=own_compute,
         wire_s=wire.busy,
-        exposed_s=step - k * own_compute,
+        exposed_s=step - own_compute,
         bytes_per_step=sent,
     )
 
@@ -245,12 +248,19 @@ def _project_kfac(
     from plait.kfac.factors import Method, second_order_numel
     from plait.kfac.layers import FactorKind
     from plait.kfac.pipeline import FactorComm
-    from plait.kfac.placement import LOCAL, Distribution, factor_key, plan_placement
+    from plait.kfac.placement import (
+        LOCAL,
+        Distribution,
+        PlacementPolicy,
+        factor_key,
+        plan_placement,
+    )
     from plait.train.strategies.kfac import PRESETS, KFACPreset
 
     name, options = parse_spec(spec)
     config = {f.name for f in fields(KFACConfig)}
-    cfg = replace(PRESETS[KFACPreset(name)], **{k: v for k, v in options.items() if k in config})
+    chosen: dict[str, Any] = {k: v for k, v in options.items() if k in config}
+    cfg = replace(PRESETS[KFACPreset(name)], **chosen)
     comp_opts = {k: v for k, v in options.items() if k not in config and k != "compression"}
     grad_spec = str(options.get("compression", "ssgd")) + (
         ":" + ",".join(f"{k}={v}" for k, v in comp_opts.items()) if comp_opts else ""
@@ -298,8 +308,8 @@ def _project_kfac(
         costs=costs,
         method=method,
         packed=packed,
-        policy=cfg.placement,
-        distribution=cfg.distribution,
+        policy=PlacementPolicy(cfg.placement),
+        distribution=Distribution(cfg.distribution),
         local_inversion=cfg.local_inversion,
         inv_interval=inv_every,
     )
@@ -331,7 +341,7 @@ def _project_kfac(
     kinds = [(True, True, 1), (False, True, n_factor), (False, False, n_plain)]
 
     def own(invert: bool, factors: bool) -> float:
-        return (passes if factors else plain_passes) + (mine if invert else 0.0) + tail
+        return float((passes if factors else plain_passes) + (mine if invert else 0.0) + tail)
 
     measured_kind = (True, True) if inv_every == 1 else (False, fac_every == 1)
     k = _scale(profile, compute_s, own(*measured_kind))
