@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from plait.bench.project.advice import (
+    Candidate,
     Check,
     checks_markdown,
     cluster_map,
@@ -52,6 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     ma = sub.add_parser("map", help="which strategy and optimizer wins where")
     ma.add_argument("--profile", type=Path, required=True)
     ma.add_argument("--races", type=Path, action="append", default=[])
+    ma.add_argument(
+        "--strategies",
+        default="",
+        help="without races: these specs (';' between them), ranked by step time",
+    )
+    ma.add_argument("--optimizer", default="sgd", help="their optimizer (sgd, adamw, muon)")
+    ma.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="the nodes compute this many times faster than the profile's device",
+    )
+    ma.add_argument("--title", default=None, help="the map's title")
     ma.add_argument("--nodes", default="8,16,32,64")
     ma.add_argument("--rates", default="1gbit,10gbit,25gbit,100gbit")
     ma.add_argument("--out", type=Path, required=True)
@@ -88,15 +102,27 @@ def main(argv: list[str] | None = None) -> int:
     cands = race_candidates(
         [p / "results.json" if p.is_dir() else p for p in args.races], prof.workload
     )
+    cands += [
+        Candidate(spec=spec, optimizer=args.optimizer, steps=None, label=spec)
+        for spec in args.strategies.split(";")
+        if spec
+    ]
     if not cands:
-        raise SystemExit(f"no race of {prof.workload} reached its target in {args.races}")
+        raise SystemExit(
+            f"no candidate: no race of {prof.workload} in {args.races}, no --strategies"
+        )
     cells = cluster_map(
         prof,
         cands,
         nodes=[int(n) for n in args.nodes.split(",")],
         rates=args.rates.split(","),
+        speed=args.speed,
     )
-    title = f"{prof.workload}: first to the races' target, projected (compute of {prof.device})"
+    what = "first to the races' target" if any(c.steps for c in cands) else "fastest step"
+    pace = f"{args.speed:g}x" if args.speed != 1 else "one"
+    title = args.title or (
+        f"{prof.workload}: {what}, projected (compute of {pace} {prof.device} process here)"
+    )
     text = map_markdown(cells, title=title)
     write_markdown(text, args.out / "map.md")
     write_json([asdict(c) for c in cells], args.out / "map.json", indent=2)

@@ -197,6 +197,7 @@ def cluster_map(
     nodes: Sequence[int] = (8, 16, 32, 64),
     rates: Sequence[str] = ("1gbit", "10gbit", "25gbit", "100gbit"),
     algorithms: Algorithms = Algorithms.RING,
+    speed: float = 1.0,
 ) -> list[Cell]:
     """Which candidate reaches the target first on each cluster (nodes x link rate)."""
     from plait.units import parse_rate
@@ -221,6 +222,7 @@ def cluster_map(
                     algorithms=algorithms,
                     optimizer=c.optimizer,
                     layers=layers,
+                    speed=speed,
                 )
                 steps[c.name] = est.step_s
                 if c.steps is not None:
@@ -314,6 +316,10 @@ def recommend(
     return Recommendation(workload=workload, world=world, rate=rate, rows=rows, by_target=by_target)
 
 
+def _seconds(t: float) -> str:
+    return f"{1e3 * t:.1f} ms" if t < 1 else f"{t:.2f} s"
+
+
 def map_markdown(cells: Sequence[Cell], *, title: str) -> str:
     rates = list(dict.fromkeys(c.rate for c in cells))
     nodes = list(dict.fromkeys(c.nodes for c in cells))
@@ -329,7 +335,7 @@ def map_markdown(cells: Sequence[Cell], *, title: str) -> str:
         for r in rates:
             c = by[n, r]
             best = c.to_target_s.get(c.winner) or c.steps_s[c.winner]
-            row.append(f"**{c.winner}** {best:.2f} s")
+            row.append(f"**{c.winner}** {_seconds(best)}")
         lines.append(f"| {n} | " + " | ".join(row) + " |")
     lines += [
         "",

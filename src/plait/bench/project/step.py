@@ -142,6 +142,7 @@ def project(
     optimizer: str = "sgd",
     layers: Any = None,
     host_s_per_byte: float = 0.0,
+    speed: float = 1.0,
 ) -> StepEstimate:
     """Predict one step of strategy `spec` on `world` workers over `link`.
 
@@ -156,6 +157,8 @@ def project(
         host_s_per_byte: host CPU seconds per byte sent, on the compute path: the cost of
             collectives that run on the computing cores (gloo on the emulated cluster's
             shared cores, `host_cost`); 0 where a NIC and NCCL move the bytes.
+        speed: how many times faster than the profile's device the target computes (its
+            compute divided by this; 1 keeps it).
     """
     name, _ = parse_spec(spec)
     if name in KFAC_PRESETS:
@@ -169,6 +172,7 @@ def project(
             optimizer=optimizer,
             layers=layers,
             host_s_per_byte=host_s_per_byte,
+            speed=speed,
         )
     cost = profile.strategies.get(profile_key(spec))
     opt_s = profile.optimizer_s.get(optimizer, profile.optimizer_s["sgd"])
@@ -176,7 +180,7 @@ def project(
     # the compute-only step is forward, backward and the optimizer: the target's one (its
     # contention included) fixes the scale; without one, the profile's own
     own = passes + opt_s if cost is None else cost.compute_s - profile.optimizer_s["sgd"] + opt_s
-    k = (compute_s if compute_s is not None else own) / (passes + opt_s)
+    k = (compute_s if compute_s is not None else own / speed) / (passes + opt_s)
     f, b, o = k * profile.forward_s, k * profile.backward_s, k * opt_s
     # the strategy's own computation (compression) scales with its compute-only step
     hook_total = 0.0 if cost is None else max(0.0, cost.step_s - cost.compute_s)
@@ -238,6 +242,7 @@ def _project_kfac(
     optimizer: str,
     layers: Any,
     host_s_per_byte: float = 0.0,
+    speed: float = 1.0,
 ) -> StepEstimate:
     """K-FAC over S-SGD: see the module docstring; intervals of 1 (every step computes
     factors and inverts), or amortised over `inv_interval` and `factor_interval`."""
@@ -344,7 +349,7 @@ def _project_kfac(
         return float((passes if factors else plain_passes) + (mine if invert else 0.0) + tail)
 
     measured_kind = (True, True) if inv_every == 1 else (False, fac_every == 1)
-    k = _scale(profile, compute_s, own(*measured_kind))
+    k = _scale(profile, compute_s, own(*measured_kind)) / speed
     tail *= k
     plain = profile.forward_s + profile.backward_s
 
