@@ -65,89 +65,55 @@ class Part:
     what: str
 
 
+def _fused(name: str, flags: str, device: str, budget_s: float, what: str) -> Part:
+    """A ``plait bench-fused`` part over HFTA's three models; `flags` as typed."""
+    return Part(
+        name=name,
+        argv=(
+            "plait.cli",
+            "bench-fused",
+            "--workload",
+            "mlp,cnn,transformer",
+            *flags.split(),
+            "--device",
+            device,
+            "--out",
+            "{out}",
+        ),
+        budget_s=budget_s,
+        what=what,
+    )
+
+
 def parts(*, dry_run: bool = False) -> list[Part]:
     """The suite's parts, full size on CUDA or small on the CPU (`dry_run`)."""
     device = "cpu" if dry_run else "cuda"
-    models = "mlp,cnn,transformer"
     if dry_run:
         fused = [
-            Part(
-                name="fused",
-                argv=(
-                    "plait.cli",
-                    "bench-fused",
-                    "--workload",
-                    models,
-                    "--n",
-                    "2",
-                    "--strategies",
-                    "fused,serial,vmap,concurrent",
-                    "--steps",
-                    "1",
-                    "--rounds",
-                    "1",
-                    "--warmup",
-                    "0",
-                    "--device",
-                    device,
-                    "--out",
-                    "{out}",
-                ),
-                budget_s=40,
-                what="fused arrays vs serial, vmap and concurrent processes",
-            ),
+            _fused(
+                "fused",
+                "--n 2 --strategies fused,serial,vmap,concurrent --steps 1 --rounds 1 --warmup 0",
+                device,
+                40,
+                "fused arrays vs serial, vmap and concurrent processes",
+            )
         ]
     else:
         fused = [
-            Part(
-                name="fused",
-                argv=(
-                    "plait.cli",
-                    "bench-fused",
-                    "--workload",
-                    models,
-                    "--n",
-                    "1,2,4,8,16,32,64",
-                    "--strategies",
-                    "fused,serial,vmap",
-                    "--steps",
-                    "5",
-                    "--rounds",
-                    "3",
-                    "--warmup",
-                    "2",
-                    "--device",
-                    device,
-                    "--out",
-                    "{out}",
-                ),
-                budget_s=150,
-                what="fused arrays vs serial and vmap, N = 1..64",
+            _fused(
+                "fused",
+                "--n 1,2,4,8,16,32,64 --strategies fused,serial,vmap --steps 5 --rounds 3 "
+                "--warmup 2",
+                device,
+                150,
+                "fused arrays vs serial and vmap, N = 1..64",
             ),
-            Part(
-                name="fused-concurrent",
-                argv=(
-                    "plait.cli",
-                    "bench-fused",
-                    "--workload",
-                    models,
-                    "--n",
-                    "1,4,16",
-                    "--strategies",
-                    "fused,serial,concurrent",
-                    "--steps",
-                    "5",
-                    "--rounds",
-                    "2",
-                    "--warmup",
-                    "2",
-                    "--device",
-                    device,
-                    "--out",
-                    "{out}",
-                ),
-                budget_s=80,
-                what="fused arrays vs concurrent processes (MPS-less sharing), N = 1, 4, 16",
+            _fused(
+                "fused-concurrent",
+                "--n 1,4,16 --strategies fused,serial,concurrent --steps 5 --rounds 2 --warmup 2",
+                device,
+                80,
+                "fused arrays vs concurrent processes (MPS-less sharing), N = 1, 4, 16",
             ),
         ]
     kfac = Part(
