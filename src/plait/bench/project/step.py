@@ -355,7 +355,7 @@ def _project_kfac(
 
     def fbytes(n: str, kind: FactorKind) -> float:
         shape = layers[n].shape(kind)
-        return 4.0 * (shape.packed_numel if packed else shape.dense_numel)
+        return 4.0 * float(shape.packed_numel if packed else shape.dense_numel)
 
     def result_bytes(n: str, kind: FactorKind) -> float:
         return 4.0 * second_order_numel(method, layers[n].shape(kind), packed=packed)
