@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 DOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
-.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused race docs clean
+.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused race gpu-suite docs clean
 
 install: $(STAMP)
 
@@ -71,6 +71,14 @@ race: install
 	PLAIT=$(BIN)/plait benchmarks/race/run.sh
 	$(BIN)/python -m plait.bench.fused.sweep_race --trials 32 --epochs 10 --repeats 3 \
 		--concurrent 2 --out benchmarks/hfta/sweep-race
+
+# The GPU suite (plait.bench.gpu_suite) for a lent GPU machine: bare (torch, the repository,
+# no install step, nothing to download), so it runs from src/ with the machine's python3, in
+# at most 9 minutes, into one folder (and GPU_SUITE_OUT.tar.gz beside it). Rehearse it on
+# the CPU with `make gpu-suite PYTHON=.venv/bin/python GPU_SUITE_ARGS=--dry-run`.
+GPU_SUITE_OUT ?= runs/gpu-suite
+gpu-suite:
+	PYTHONPATH=src $(PYTHON) -m plait.bench.gpu_suite --out $(GPU_SUITE_OUT) $(GPU_SUITE_ARGS)
 
 # The documentation site (mkdocs.yml, docs/) into site/; strict: broken links fail.
 docs: install

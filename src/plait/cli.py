@@ -96,6 +96,21 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     g.add_argument(
         "--timeout", type=float, default=None, help="wall-clock limit in seconds (default: none)"
     )
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the ranks compute: cuda puts every rank on this host's GPUs (ranks "
+        "sharing a GPU talk through gloo, a GPU each through NCCL); auto: cuda if present",
+    )
+    g.add_argument(
+        "--link",
+        default="auto",
+        choices=["auto", "tc", "model"],
+        help="how --bandwidth/--latency shape the links: tc on network namespaces (root, "
+        "not gVisor), model: plait's collectives take an alpha-beta model's time on "
+        "loopback; auto: tc where it works, else model",
+    )
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -256,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     pl.add_argument("--all", action="store_true", help="list every candidate plan")
     pl.add_argument("--json", default=None, help="also write the table as JSON here")
+    pl.add_argument(
+        "--races",
+        default="benchmarks/race",
+        help="races (folders of plait race results) whose steps to target rank the "
+        "data-parallel strategies and optimizers by time to target (with --data real); "
+        "'none' ranks them by projected step time",
+    )
     _add_debug_flag(parser)
     return parser
 
@@ -985,10 +1007,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{choice.plan.describe()}\n\nwhy: {choice.reason}\n"
     )
     print(choice.table(limit=None if args.all else 25))
+    advice = _data_parallel_advice(args, world)
+    print(f"\n{advice.text()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(choice.to_dict(), indent=2))
+        doc = {**choice.to_dict(), "data_parallel": {"best": advice.best, "rows": advice.rows}}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
+
+
+def _data_parallel_advice(args: argparse.Namespace, world: int) -> Any:
+    """The projection's data-parallel strategy and optimizer for the described cluster
+    (`plait.bench.project.recommend`), beside the parallel plan."""
+    from plait.bench.project import recommend
+
+    races = []
+    if args.races != "none" and Path(args.races).is_dir():
+        races = sorted(Path(args.races).glob("*/results.json"))
+    return recommend(
+        args.workload,
+        world=world,
+        rate=resolve_bandwidth(args.bandwidth),
+        races=races,
+        real=args.data == "real",
+    )
 
 
 def _probe_network(args: argparse.Namespace) -> Any:
@@ -1196,6 +1238,55 @@ def _check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = Fal
             raise ValueError(f"--latency: {exc}") from None
         args.latency = args.latency.strip().lower()
     _number("--loss", args.loss, low=0, high=100, high_open=True)
+    if args.link == "model" and args.loss:
+        raise ValueError(f"--loss {args.loss} with --link model: a modelled link loses no packets")
+    args.placement = _placement(args.device, args.nodes * args.nproc_per_node)
+
+
+def _placement(device: str, ranks: int) -> Any:
+    """Where rank 0 of `ranks` on this host computes and which backend they use
+    (`plait.distributed.gpu_placement`); ``cuda`` without a GPU is refused here."""
+    import torch
+
+    from plait.distributed import gpu_placement
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kind = ("cuda" if gpus else "cpu") if device == "auto" else device
+    if kind == "cuda" and not gpus:
+        raise ValueError("--device cuda: this machine has no CUDA device")
+    return gpu_placement(kind, host_ranks=ranks, host_index=0, gpus=gpus)
+
+
+def _check_backend(strategy: Any, args: argparse.Namespace) -> None:
+    """Refuse a strategy whose collectives the job's backend cannot run on its device."""
+    from plait.comm import check_collectives
+
+    place = getattr(args, "placement", None)
+    if place is not None:
+        check_collectives(
+            f"strategy {strategy.describe()!r}",
+            strategy.collectives(),
+            backend=place.backend,
+            device=place.device,
+        )
+
+
+def _export_cluster_env(args: argparse.Namespace) -> None:
+    """Hand ``--device`` and ``--link`` to everything this command launches (the workers
+    read PLAIT_DEVICE, `Cluster.create` reads PLAIT_LINK) and say how ranks share GPUs."""
+    from plait.cluster.netns import LINK_ENV
+    from plait.distributed import DEVICE_ENV
+
+    place = args.placement
+    os.environ[DEVICE_ENV] = "cuda" if place.device.startswith("cuda") else "cpu"
+    os.environ[LINK_ENV] = args.link
+    if place.shared:
+        ranks = args.nodes * args.nproc_per_node
+        print(
+            f"plait {args.command}: {ranks} ranks share this host's GPU(s); their collectives "
+            "go through gloo (CUDA tensors by way of pinned host memory)",
+            flush=True,
+        )
 
 
 def _check_tensorboard(log_dir: str | None) -> None:
@@ -1238,8 +1329,11 @@ def _check_device(flag: str, device: str) -> None:
             raise ValueError(f"{flag} {device!r}: this machine has {count} CUDA device(s)")
 
 
-def _check_strategies(specs: list[str], workloads: list[str], world: int) -> None:
-    """Every spec fully checked, and each against each workload's benchmark model."""
+def _check_strategies(
+    specs: list[str], workloads: list[str], world: int, args: argparse.Namespace | None = None
+) -> None:
+    """Every spec fully checked, against the job's backend and device (`args.placement`)
+    and against each workload's benchmark model."""
     from plait.train.strategy import Strategy, make_strategy
     from plait.workloads import get_workload
 
@@ -1249,6 +1343,8 @@ def _check_strategies(specs: list[str], workloads: list[str], world: int) -> Non
     for spec in specs:
         strategy = make_strategy(spec)
         built.append(strategy)
+        if args is not None:
+            _check_backend(strategy, args)
     for w in workloads:
         wl = get_workload(w)
         model = None
@@ -1313,6 +1409,7 @@ def _validate_train(args: argparse.Namespace) -> None:
         )
     strategy = cfg.strategy_choice.build()
     try:
+        _check_backend(strategy, args)
         if type(strategy).check is not Strategy.check:  # plan degrees against world, model
             strategy.check(wl.model(data.info), world=world)
     finally:
@@ -1344,7 +1441,10 @@ def _validate_bench(args: argparse.Namespace) -> None:
     _writable_dir("--out", args.out)
     _check_tensorboard(args.tensorboard)
     _check_strategies(
-        split_specs(args.strategies), _workloads(args.workload), args.nodes * args.nproc_per_node
+        split_specs(args.strategies),
+        _workloads(args.workload),
+        args.nodes * args.nproc_per_node,
+        args,
     )
 
 
@@ -1404,6 +1504,7 @@ def _validate_race(args: argparse.Namespace) -> None:
     for e in spec.entries:  # plan degrees against the world and the real model
         strategy = make_strategy(e.spec)
         try:
+            _check_backend(strategy, args)
             if type(strategy).check is not Strategy.check:
                 model = model or wl.model(wl.real().info)
                 strategy.check(model, world=args.nodes * args.nproc_per_node)
@@ -1436,11 +1537,11 @@ def _validate_crossover(args: argparse.Namespace) -> None:
         if job.config is not None:
             try:
                 cfg = TrainConfig(**job.config)
-                _check_strategies([cfg.strategy_spec()], [cfg.workload], world)
+                _check_strategies([cfg.strategy_spec()], [cfg.workload], world, args)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"job {spec!r}: {exc}") from None
         elif job.workload is not None and job.strategy is not None:
-            _check_strategies([job.strategy], [job.workload], world)  # plans against the world
+            _check_strategies([job.strategy], [job.workload], world, args)  # plans, backend
         elif job.command and not Path(job.command[0]).is_file():
             raise ValueError(
                 f"job {spec!r}: no such script {job.command[0]!r} (expected WORKLOAD/STRATEGY, "
@@ -1544,6 +1645,9 @@ def _validate_plan(args: argparse.Namespace) -> None:
         parse_size(args.memory, what="--memory size")
     args.bandwidth = _bandwidths(args.bandwidth, multi=False)
     _writable_file("--json", args.json)
+    default_races = _subcommand(build_parser(), "plan").get_default("races")
+    if args.races not in ("none", default_races) and not Path(args.races).is_dir():
+        raise ValueError(f"--races {args.races!r}: not a folder of race results (or 'none')")
 
 
 # ---------------------------------------------------------------------------- run configs
@@ -1722,6 +1826,8 @@ def main(argv: list[str] | None = None) -> int:
             configure(level_from(args.verbose, args.quiet))
             check_numbers(args)
             VALIDATORS[args.command](args)
+        if hasattr(args, "placement"):
+            _export_cluster_env(args)
         return COMMANDS[args.command](args)
     except ValueError as exc:
         _fail(args, 2, str(exc))

@@ -102,6 +102,26 @@ def test_worker_env_pins_every_transport_to_the_node_link() -> None:
     loop = worker_env(Cluster(nodes=2, emulated=False), 1, threads=2)
     assert loop["GLOO_SOCKET_IFNAME"] == "lo" and loop[LOOPBACK_ENV] == "1"
     assert loop["OMP_NUM_THREADS"] == "2" and loop["PLAIT_EMULATED"] == "0"
+    assert env["PLAIT_LINK"] == "tc" and loop["PLAIT_LINK"] == "none"
+
+
+def test_worker_env_of_a_modelled_link_names_rate_and_delay() -> None:
+    net = NetworkSpec(bandwidth="slow", latency="2ms")
+    c = Cluster(nodes=2, network=net, emulated=False, link="model")
+    env = worker_env(c, 0, threads=1, extra=None)
+    assert (env["PLAIT_LINK"], env["PLAIT_RATE"], env["PLAIT_LATENCY"]) == (
+        "model", "100mbit", "2ms"
+    )  # fmt: skip
+    from plait.comm import link
+
+    os_env = dict(os.environ)
+    try:
+        os.environ.update({k: env[k] for k in ("PLAIT_LINK", "PLAIT_RATE", "PLAIT_LATENCY")})
+        model = link.from_env()
+    finally:
+        os.environ.clear()
+        os.environ.update(os_env)
+    assert model is not None and model.model.bandwidth_bps == pytest.approx(1e8 / link.FRAMING)
 
 
 def _flags(cmd: list[str]) -> dict[str, str]:

@@ -47,7 +47,7 @@ from plait._proc import (
     stop_signals_interrupt,
 )
 from plait.cluster.agent import DONE_DIR_ENV, FATAL_PREFIX, LOG_DIR_ENV
-from plait.cluster.netns import LOOPBACK_ENV, Cluster
+from plait.cluster.netns import LINK_ENV, LOOPBACK_ENV, Cluster
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ def worker_env(
 
     NCCL is pinned to the node's link like gloo: sockets on the node's interface, and its
     shared-memory, peer-to-peer (NVLink/PCIe) and InfiniBand transports off, since the
-    emulated nodes share one host and those paths would bypass the shaped link.
+    emulated nodes share one host and those paths would bypass the shaped link. On a
+    modelled link (`Link.MODEL`) the workers read the rate and delay from ``PLAIT_RATE`` and
+    ``PLAIT_LATENCY`` and ``PLAIT_LINK=model`` turns the model on (`plait.comm.link`).
     """
     env = dict(os.environ)
     ifname = cluster.ifname(node)
@@ -145,6 +147,8 @@ def worker_env(
             "PLAIT_RATE": cluster.network.rate or "",
             "PLAIT_BANDWIDTH": cluster.network.bandwidth or "",
             "PLAIT_EMULATED": "1" if cluster.emulated else "0",
+            LINK_ENV: cluster.link.value,
+            "PLAIT_LATENCY": cluster.network.latency or "",
             PARENT_ENV: str(os.getpid()),
             LOOPBACK_ENV: "0" if cluster.emulated else "1",
             "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),

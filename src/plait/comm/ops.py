@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from plait.comm import link as _link
 from plait.comm.stats import Collective, stats
 from plait.trace import COMM, profiled, tracer
 
@@ -223,9 +224,16 @@ def _issue(
     async_op: bool,
 ) -> torch.futures.Future[torch.Tensor]:
     """Count `op` on `tensor`'s bytes, run ``launch()`` (the async torch call), and return a
-    future of `out` that closes the trace span when the work finishes."""
+    future of `out` that closes the trace span when the work finishes.
+
+    Under a modelled link (`plait.comm.link`) the work is booked on the link first and its
+    future completes no earlier than the link's transfer would end.
+    """
     nbytes = tensor.numel() * tensor.element_size()
-    stats.add(op, nbytes, world_size(group))
+    world = world_size(group)
+    stats.add(op, nbytes, world)
+    link = _link.current()
+    ends_at = None if link is None else link.reserve(op, nbytes, world, issued_at=link.clock())
     start = tracer.now_us()
     try:
         with profiled(name):  # the span itself ends in `finish`, after the issue
@@ -239,6 +247,8 @@ def _issue(
         err = collective_error(op, name, group, exc)
         logger.debug("%s", err)
         raise err from exc
+    if link is not None and ends_at is not None:
+        fut = link.delay(fut, ends_at=ends_at, device=tensor.device)
 
     def finish(done: torch.futures.Future[Any]) -> torch.Tensor:
         tracer.add(name, COMM, start, tracer.now_us(), thread="comm", args={"bytes": nbytes})

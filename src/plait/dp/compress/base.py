@@ -24,6 +24,7 @@ from torch import nn
 from torch._C._distributed_c10d import GradBucket
 
 from plait.comm.ops import wait
+from plait.comm.stats import Collective
 from plait.distributed import retain_group
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -39,6 +40,8 @@ class Compressor(ABC):
     name: ClassVar[str] = ""
     #: Whether the compressor needs all gradients in one DDP bucket (see torch-powersgd).
     single_bucket: ClassVar[bool] = False
+    #: The collective kinds its hook issues.
+    collectives: ClassVar[frozenset[Collective]] = frozenset({Collective.ALL_REDUCE})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
