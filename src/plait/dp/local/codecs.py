@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from plait.comm import all_gather, all_reduce, all_to_all, wait, world_size
+from plait.comm import Collective, all_gather, all_reduce, all_to_all, wait, world_size
 from plait.dp.compress.acpsgd import decode as acp_decode
 from plait.dp.compress.acpsgd import encode as acp_encode
 from plait.dp.compress.lowrank import LowRankStore, Phase, RankPolicy
@@ -67,6 +67,8 @@ class PseudoGradientCodec(ABC):
     """
 
     codec: ClassVar[Codec]
+    #: the collective kinds `average` issues
+    collectives: ClassVar[frozenset[Collective]] = frozenset({Collective.ALL_REDUCE})
 
     def __init__(self, *, error_feedback: bool = True) -> None:
         self.error_feedback = error_feedback
@@ -182,6 +184,7 @@ class Quantized(PseudoGradientCodec):
     """int8 / int4 per-block quantisation, averaged by all-to-all then all-gather."""
 
     BITS: ClassVar[dict[Codec, int]] = {Codec.INT8: 8, Codec.INT4: 4}
+    collectives = frozenset({Collective.ALL_TO_ALL, Collective.ALL_GATHER})
 
     def __init__(self, codec: Codec, *, block: int = 128, error_feedback: bool = True) -> None:
         super().__init__(error_feedback=error_feedback)
@@ -238,6 +241,7 @@ class TopK(PseudoGradientCodec):
     """The largest `ratio` of the corrected values, all-gathered (SparseLoCo's selection)."""
 
     codec = Codec.TOPK
+    collectives = frozenset({Collective.ALL_GATHER})
 
     def __init__(self, *, ratio: float = 0.01, error_feedback: bool = True) -> None:
         super().__init__(error_feedback=error_feedback)
@@ -301,6 +305,18 @@ class LowRank(PseudoGradientCodec):
             raise ValueError(f"lowrank codec state lacks {sorted(missing)}")
         self.rounds = {str(k): int(v) for k, v in state["rounds"].items()}
         self.store.load_state_dict(state["lowrank"])
+
+
+def codec_class(config: LocalConfig) -> type[PseudoGradientCodec]:
+    """The codec class `config.compression` names (its collectives, without building it)."""
+    c = config.compression
+    if c is Codec.NONE:
+        return Dense
+    if c in Cast.DTYPES:
+        return Cast
+    if c in Quantized.BITS:
+        return Quantized
+    return TopK if c is Codec.TOPK else LowRank
 
 
 def make_codec(config: LocalConfig) -> PseudoGradientCodec:

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.comm import Collective
 from plait.dp.local import METHODS, LocalConfig, LocalUpdate, local_config
+from plait.dp.local.codecs import codec_class
 from plait.train.strategy import Strategy, register_strategy
 
 
@@ -31,6 +33,13 @@ class LocalStrategy(Strategy):
         self._model: LocalUpdate | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_state: dict[str, Any] | None = None
+
+    def collectives(self) -> frozenset[Collective]:
+        # the initial broadcast, the buffers' (and evaluation's) all-reduce, the codec's
+        return (
+            frozenset({Collective.BROADCAST, Collective.ALL_REDUCE})
+            | codec_class(self.config).collectives
+        )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self._model = LocalUpdate(model, self.config)
