@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         from plait.records import provenance, write_json, write_markdown
 
         out = Path(args.out)
-        meta = provenance()
+        meta = provenance(
+            command=" ".join(["python -m plait.bench.dispatch", *(argv or sys.argv[1:])])
+        )
         write_json(
             {
                 "provenance": meta,
