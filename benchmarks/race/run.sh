@@ -85,6 +85,24 @@ optimizers-gpt() {  # BANDWIDTH [SGD]: SGD only where asked (it misses the targe
         --strategies "${sgd}ssgd+adamw@0.001;ssgd+muon@0.01;$KFAC,$TUNED+sgd@0.1;$KFAC_ACP16,$TUNED+sgd@0.1$bf16"
 }
 
+# The compressor races again under the protocol that makes a verdict (five seeds, a
+# bootstrap interval on every ratio, pinned CPU kernels; the digits CNN to a held-out loss
+# instead of an accuracy decided by one or two of 360 samples), beside the 3-seed tables.
+# ACP-SGD now warms up two dense steps by default: its entry without them is kept too.
+compressors-digits-cnn-5seeds() {  # BANDWIDTH
+    race "compressors-digits-cnn-$1-5seeds" --workload digits-cnn --metric loss --target 0.1 \
+        --nodes 4 --bandwidth "$1" --max-steps 600 --eval-every 5 --optimizer sgd --lr 0.1 \
+        --strategies "ssgd;fp16;powersgd:rank=2;powersgd:rank=4;torch-powersgd:rank=2;torch-powersgd:rank=4;acpsgd:rank=2,warmup=0;acpsgd:rank=4,warmup=0;acpsgd:rank=2;acpsgd:rank=4" \
+        --compare "acpsgd:rank=4+sgd/torch-powersgd:rank=4+sgd;acpsgd:rank=4+sgd/powersgd:rank=4+sgd"
+}
+
+compressors-gpt-5seeds() {  # BANDWIDTH
+    race "compressors-gpt-$1-5seeds" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --max-steps 150 --eval-every 10 --optimizer adamw --lr 0.001 \
+        --strategies "ssgd;fp16;powersgd:rank=16;torch-powersgd:rank=16;acpsgd:rank=16,warmup=0;acpsgd:rank=16;acpsgd:rank=32" \
+        --compare "acpsgd:rank=16+adamw/torch-powersgd:rank=16+adamw;acpsgd:rank=32+adamw/torch-powersgd:rank=16+adamw;acpsgd:rank=16+adamw/acpsgd:rank=16,warmup=0+adamw"
+}
+
 # ------------------------------------------------------------------ slow links
 # The communication-bound race: the GPT at 2 sequences per worker (benchmarks/race/
 # workloads.py:gpt_link), 87% of S-SGD's step on the wire at `slow`. Every entry trains
