@@ -17,8 +17,8 @@ How it is set up on a plait job of W ranks:
   ``init_sync=False``: the ranks start from rank 0's weights, broadcast by plait as
   plait's ``diloco`` does, so torchft has nothing to heal at its first quorum;
 - every wait is finite (`timeout_s`: connection, quorum, collectives) and the first failed
-  commit raises (``max_retries=0``): a lost peer ends the job instead of being retried
-  against a quorum that can never form again.
+  commit raises (``max_retries=0``): a lost peer ends the job with a `CollectiveError`
+  instead of being retried against a quorum that can never form again.
 
 Evaluation sees the parameters the replicas agree on: the copy of each fragment that
 torchft keeps as the start of the next round (its ``original_parameters``), identical on
@@ -54,7 +54,7 @@ from torch import nn
 
 from plait import distributed as pdist
 from plait.cluster import node_address
-from plait.comm import Collective, broadcast, stats
+from plait.comm import Collective, CollectiveError, broadcast, stats
 from plait.dp.local import fragments as frag
 from plait.dp.local.codecs import flatten, unflatten
 from plait.train.strategy import Strategy, check_options, register_strategy
@@ -184,6 +184,52 @@ def _share_text(text: str | None, device: torch.device) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
+def _instrument(manager: Any, *, rank: int, world: int, timeout_s: float) -> None:
+    """Count and explain what `manager` does, without changing it.
+
+    torchft's all-reduces bypass `plait.comm`: the bytes handed to them are recorded in
+    `plait.comm.stats`, so a race counts them like any other entry's. A quorum that does
+    not form, and a commit refused after a failed all-reduce (the first one raises:
+    ``max_retries=0``), become a `CollectiveError` that says what happened in plait's
+    terms; torchft's own error (``TimeoutError: status: Cancelled``) is its cause.
+    """
+    reduce, quorum, commit = manager.allreduce, manager.start_quorum, manager.should_commit
+    ranks = tuple(range(world))
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        stats.add(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), world)
+        return reduce(tensor, *args, **kwargs)
+
+    def start_quorum(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return quorum(*args, **kwargs)
+        except Exception as exc:
+            raise CollectiveError(
+                f"torchft's quorum did not form on rank {rank} within {timeout_s:g}s: a peer "
+                f"of ranks {list(ranks)} is lost, stopped or too slow; cause: "
+                f"{type(exc).__name__}: {exc}",
+                collective="torchft quorum",
+                ranks=ranks,
+            ) from exc
+
+    def should_commit(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return commit(*args, **kwargs)
+        except RuntimeError as exc:
+            cause = manager.errored()
+            raise CollectiveError(
+                f"torchft's all-reduce of pseudo-gradients failed on rank {rank} (ranks "
+                f"{list(ranks)}): a peer is lost or stopped; cause: "
+                f"{cause.original_exception if cause is not None else exc}",
+                collective="torchft allreduce",
+                ranks=ranks,
+            ) from exc
+
+    manager.allreduce = counted
+    manager.start_quorum = start_quorum
+    manager.should_commit = should_commit
+
+
 @register_strategy("torchft-diloco")
 class TorchftDiLoCoStrategy(Strategy):
     """torchft's DiLoCo driven by plait (`TorchftConfig`'s fields are its options)."""
@@ -267,26 +313,9 @@ class TorchftDiLoCoStrategy(Strategy):
         host = node_address()
         seconds = cfg.timeout_s or pdist.collective_timeout().total_seconds()
         timeout = datetime.timedelta(seconds=seconds)
-        address: str | None = None
-        if rank == 0:
-            try:
-                self._lighthouse = LighthouseServer(bind=f"{host}:0", min_replicas=world)
-                port = urlsplit(self._lighthouse.address()).port
-                address = f"ok http://{host}:{port}"
-            except Exception as exc:  # the others must not wait for an address
-                address = f"error {type(exc).__name__}: {exc}"
-                raise
-            finally:
-                if world > 1:
-                    _share_text(address, pdist.device())
-        else:
-            address = _share_text(None, pdist.device())
-        status, _, lighthouse = address.partition(" ")
-        if status != "ok":
-            raise RuntimeError(f"rank 0 could not start torchft's lighthouse: {lighthouse}")
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timeout
-        )
+        lighthouse = self._lighthouse_address(LighthouseServer, host, rank, world)
+        store: Any = getattr(dist, "TCPStore")  # noqa: B009  # not re-exported in torch's stubs
+        self._store = store(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
         self._manager = Manager(
             pg=self._pg,
@@ -307,7 +336,7 @@ class TorchftDiLoCoStrategy(Strategy):
             init_sync=False,
             max_retries=0,
         )
-        self._count_bytes(self._manager, world)
+        _instrument(self._manager, rank=rank, world=world, timeout_s=seconds)
         outer = [
             torch.optim.SGD(
                 f.parameters(),
@@ -337,16 +366,29 @@ class TorchftDiLoCoStrategy(Strategy):
         self._diloco.__enter__()
         self._entered = True
 
-    @staticmethod
-    def _count_bytes(manager: Any, world: int) -> None:
-        """Record what torchft all-reduces in `plait.comm.stats` (it bypasses plait.comm)."""
-        reduce = manager.allreduce
+    def _lighthouse_address(self, server: Any, host: str, rank: int, world: int) -> str:
+        """Start this strategy's lighthouse on rank 0; its address, on every rank.
 
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            stats.add(Collective.ALL_REDUCE, tensor.numel() * tensor.element_size(), world)
-            return reduce(tensor, *args, **kwargs)
-
-        manager.allreduce = counted
+        Rank 0 sends an error instead of an address when the lighthouse fails to start,
+        so that the other ranks raise at once instead of waiting for a quorum.
+        """
+        text: str | None = None
+        if rank == 0:
+            try:
+                self._lighthouse = server(bind=f"{host}:0", min_replicas=world)
+                text = f"ok http://{host}:{urlsplit(self._lighthouse.address()).port}"
+            except Exception as exc:
+                text = f"error {type(exc).__name__}: {exc}"
+                raise
+            finally:
+                if world > 1:
+                    _share_text(text, pdist.device())
+        else:
+            text = _share_text(None, pdist.device())
+        status, _, address = text.partition(" ")
+        if status != "ok":
+            raise RuntimeError(f"rank 0 could not start torchft's lighthouse: {address}")
+        return address
 
     def _own_state(self) -> dict[str, Any]:
         """This replica's model and inner optimizer (torchft's user state dict)."""
