@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plait.cluster.launch import LaunchResult, free_port, launch
+from plait.cluster.launch import LaunchResult, free_port, launch, node_address
 from plait.cluster.netns import (
     Cluster,
     ClusterError,
@@ -26,6 +26,7 @@ __all__ = [
     "has_net_admin",
     "launch",
     "list_clusters",
+    "node_address",
     "parse_rate",
     "reap_dead",
     "resolve_bandwidth",

@@ -24,11 +24,13 @@ loopback only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -158,6 +160,35 @@ def worker_env(
     if extra:
         env.update(extra)
     return env
+
+
+#: ioctl that reads an interface's IPv4 address (linux/sockios.h).
+_SIOCGIFADDR = 0x8915
+
+
+def node_address() -> str:
+    """This worker's IPv4 address on its node's link: the address of the interface
+    `worker_env` names in GLOO_SOCKET_IFNAME, or 127.0.0.1 without one (one host).
+
+    A server one worker starts for the others (torchft's lighthouse and stores) must
+    advertise this address: the emulated nodes share the host's name, which resolves to
+    none of their links.
+
+    Raises:
+        ValueError: GLOO_SOCKET_IFNAME names an interface without an IPv4 address here.
+    """
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
+        except OSError as exc:
+            raise ValueError(
+                f"GLOO_SOCKET_IFNAME={ifname!r} has no IPv4 address in this network namespace "
+                f"({exc.strerror})"
+            ) from exc
+    return socket.inet_ntoa(raw[20:24])
 
 
 def torchrun_argv(

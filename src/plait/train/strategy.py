@@ -37,6 +37,7 @@ from plait.workloads import Batch
 _PLUGINS = (
     "plait.train.strategies.dp",
     "plait.train.strategies.local",
+    "plait.train.strategies.torchft_diloco",
     "plait.train.strategies.kfac",
     "plait.train.strategies.parallel",
 )
