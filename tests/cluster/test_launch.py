@@ -138,7 +138,7 @@ def test_torchrun_argv_joins_one_rendezvous_hosted_by_node_0() -> None:
     ]
     for node, cmd in enumerate(cmds):
         assert cmd[:4] == ["ip", "netns", "exec", c.netns(node)]
-        assert cmd[4:7] == [sys.executable, "-m", "plait.cluster.agent"]
+        assert cmd[4:7] == [sys.executable, "-m", "plait.cluster.agent_entry"]
         assert cmd[-2:] == ["train.py", "--lr=1"]  # the job's own flags come last
         flags = _flags(cmd[:-2])
         assert flags["nnodes"] == "2" and flags["nproc-per-node"] == "4"

@@ -1,6 +1,6 @@
 """A node's torchrun agent, tied to the process that launched it.
 
-``python -m plait.cluster.agent ARGS`` is ``torchrun ARGS`` with two guarantees torchrun
+``python -m plait.cluster.agent_entry ARGS`` is ``torchrun ARGS`` with two guarantees torchrun
 does not give on its own:
 
 - the agent dies when plait dies, and every worker when its agent dies: both carry a

@@ -202,7 +202,7 @@ def torchrun_argv(
     module: bool,
     run_id: str | None = None,
 ) -> list[str]:
-    """The node's torchrun command line (through `plait.cluster.agent`).
+    """The node's torchrun command line (through `plait.cluster.agent`'s program).
 
     All nodes join one c10d rendezvous hosted by node 0's agent at `port`; `run_id` names
     the job (two jobs on one cluster need different ones).
@@ -212,7 +212,7 @@ def torchrun_argv(
         *cluster.exec_prefix(node),
         sys.executable,
         "-m",
-        "plait.cluster.agent",
+        "plait.cluster.agent_entry",
         f"--nnodes={cluster.nodes}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",
