@@ -54,3 +54,34 @@ def test_records_from_threads_and_windows() -> None:
         stats.add(Collective.ALL_GATHER, 8, 2)
     assert [(r.op, r.nbytes) for r in inside] == [(Collective.ALL_GATHER, 8)]
     assert len(stats.reset()) == 201 and stats.calls == 0
+
+
+def test_owned_records_follow_queue_jobs_past_their_window() -> None:
+    """A job handed to a CollectiveQueue inside `owned_by` is counted for its owner even
+    when it runs after the submitter's window closed (a race switching entries)."""
+    from plait.comm.queue import CollectiveQueue
+
+    s = CommStats()
+    release = threading.Event()
+    mine, other = object(), object()
+
+    def job() -> None:
+        release.wait(10)
+        s.add(Collective.ALL_REDUCE, 100, 4)
+
+    q = CollectiveQueue(name="test-owner", timeout_s=10)
+    try:
+        with s.owned_by(mine), s.window() as first:
+            fut = q.submit(job)
+            s.add(Collective.BROADCAST, 10, 4)
+        with s.owned_by(other), s.window() as second:
+            release.set()
+            fut.wait()
+        s.add(Collective.BARRIER, 0, 4)  # outside any owner
+    finally:
+        q.close()
+    assert [r.nbytes for r in first] == [10]
+    assert [(r.nbytes, r.owner) for r in second] == [(100, mine)]  # landed in another window
+    assert [r.nbytes for r in s.owned(mine)] == [10, 100]
+    assert s.owned(other) == []
+    assert s.records[-1].owner is None

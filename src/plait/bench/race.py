@@ -462,6 +462,7 @@ class _Runner:
         self.train_s = 0.0
         self.eval_s = 0.0
         self.wire = 0.0
+        self.owner = object()  # tags this entry's collectives in plait.comm.stats
         self.payload = 0
         self.last_loss: float | None = None
         self.curve: list[RacePoint] = []
@@ -515,12 +516,15 @@ class _Runner:
             if self.done:
                 break
             micro = [next(self.batches) for _ in range(t.cfg.accumulate)]
-            with comm_stats.window() as recs:
+            with comm_stats.owned_by(self.owner), comm_stats.window() as recs:
                 t0 = time.perf_counter()
                 self.last_loss = t.train_step(micro)
                 self.train_s += time.perf_counter() - t0
-            self.wire += sum(r.wire_bytes for r in recs)
-            self.payload += sum(r.nbytes for r in recs)
+            # this entry's own collectives are counted in `record`, wherever they ran;
+            # untagged ones (issued from a backend thread's callback) end within the step
+            untagged = [r for r in recs if r.owner is None]
+            self.wire += sum(r.wire_bytes for r in untagged)
+            self.payload += sum(r.nbytes for r in untagged)
             self.step += 1
             if bar is not None:
                 bar.update(1)
@@ -529,7 +533,13 @@ class _Runner:
         self.rng = _rng_state()
 
     def record(self) -> RaceRun:
-        wire, payload = _mean_over_ranks([self.wire, float(self.payload)])
+        owned = comm_stats.owned(self.owner)
+        wire, payload = _mean_over_ranks(
+            [
+                self.wire + sum(r.wire_bytes for r in owned),
+                float(self.payload + sum(r.nbytes for r in owned)),
+            ]
+        )
         last = self.curve[-1]
         e = self.entry
         return RaceRun(

@@ -17,6 +17,8 @@ sequences have diverged, and running more collectives could only hang or mix the
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import logging
 import queue
 import threading
@@ -77,13 +79,16 @@ class CollectiveQueue:
 
         The returned future yields ``fn``'s result, or fails with the exception ``fn``
         raised (a RuntimeError naming it when seen through torch's future machinery).
+        ``fn`` runs in a copy of the caller's context (its context variables: the owner
+        `plait.comm.stats` counts the job's collectives for, among them).
         """
         inner: torch.futures.Future[Any] = torch.futures.Future()
         fut: torch.futures.Future[T] = inner.then(_unwrap)
         with self._cv:
             self._pending += 1
         self._ensure_thread()
-        self._jobs.put((fn, args, inner, name or getattr(fn, "__name__", "job")))
+        job = functools.partial(contextvars.copy_context().run, fn)
+        self._jobs.put((job, args, inner, name or getattr(fn, "__name__", "job")))
         return fut
 
     def _loop(self) -> None:
