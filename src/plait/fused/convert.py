@@ -157,7 +157,9 @@ def fuse(
                 if fallback is Fallback.VMAP:
                     return VmapArray(built)
                 raise
-            logger.info("%s: %s; capturing it with torch.export instead", type(built[0]).__name__, e)
+            reason = e.__cause__ if e.__cause__ is not None else e
+            logger.info("%s: torch.fx cannot fuse it (%s: %s); capturing it with torch.export",
+                        type(built[0]).__name__, type(reason).__name__, reason)  # fmt: skip
     return CapturedArray(built, fallback=fallback is Fallback.VMAP)
 
 

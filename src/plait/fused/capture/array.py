@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from plait.fused.capture.patterns import simplify
 from plait.fused.capture.rewrite import FusedGraph, SlotKind, rewrite
 from plait.fused.errors import StructureMismatchError, UnsupportedLayerError
 from plait.fused.ops.base import expand_models
@@ -68,7 +69,7 @@ def _describe(value: Any) -> Any:
 def _settings(module: nn.Module, *, per_model: bool) -> list[tuple[str, Any]]:
     out = []
     for k, v in sorted(vars(module).items()):
-        if k in _SKIPPED or k.startswith("_") and k.endswith("hooks"):
+        if k in _SKIPPED or (k.startswith("_") and k.endswith("hooks")):
             continue
         if not per_model and any(isinstance(module, t) and k == a for t, a in _SETTINGS):
             continue
@@ -82,7 +83,9 @@ def structure(model: nn.Module, *, per_model: bool = True) -> list[tuple[str, An
     """What may steer a model's forward: every module's type and plain settings (configs
     included) and every tensor's name, shape and dtype. Without `per_model`, the settings
     a fused graph reads per model (dropout p, padding index) are left out."""
-    parts: list[tuple[str, Any]] = [("class", f"{type(model).__module__}.{type(model).__qualname__}")]
+    parts: list[tuple[str, Any]] = [
+        ("class", f"{type(model).__module__}.{type(model).__qualname__}")
+    ]
     for path, m in model.named_modules():
         parts.append((path, (type(m).__qualname__, tuple(_settings(m, per_model=per_model)))))
     for name, t in (*model.named_parameters(), *model.named_buffers()):
@@ -110,7 +113,7 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> 
     """What a captured graph is specialised on: the inputs' structure, per-model shapes,
     dtypes and devices, the values of non-tensor inputs, and train or eval."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    parts = []
+    parts: list[Any] = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape[1:]), x.dtype, x.device.type))
@@ -134,6 +137,7 @@ class CapturedArray(VmapArray):
         self.fallback = fallback
         self._fingerprint = fingerprint(models[0])
         self._graphs: dict[Any, FusedGraph | None] = {}
+        self._resolved: dict[int, tuple[FusedGraph, list[Any]]] = {}
         self._layers = dict(self._skeleton.named_modules())
         self._per_model: dict[str, list[Any]] = {}
         for path, layer in models[0].named_modules():
@@ -154,6 +158,7 @@ class CapturedArray(VmapArray):
 
     def keep_models(self, index: torch.Tensor) -> None:
         super().keep_models(index)
+        self._resolved.clear()  # keep() replaces the buffers
         rows = index.tolist()
         self._per_model = {k: [v[i] for i in rows] for k, v in self._per_model.items()}
 
@@ -203,6 +208,7 @@ class CapturedArray(VmapArray):
                 f"{name}.forward cannot be captured by torch.export ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''})"
             ) from e
+        simplify(ep.graph_module)
         graph = rewrite(ep, model=name, layers=self._layers, shared_buffers=self._shared_buffers)
         logger.info("%s captured and fused: %d graph nodes", name, len(graph.module.graph.nodes))
         return graph
@@ -246,6 +252,26 @@ class CapturedArray(VmapArray):
 
     def _run(self, graph: FusedGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves = iter(pytree.tree_leaves((args, kwargs)))
+        state = self._state_for(graph)
+        values = [next(leaves) if v is _INPUT else v for v in state]
+        outputs = graph.module(*values)
+        n = len(graph.mutated)
+        with torch.no_grad():
+            for name, value in zip(graph.mutated, outputs[:n], strict=True):
+                self.get_buffer(name).copy_(value)
+        b = self.num_models
+        user = [
+            o if batched or not isinstance(o, torch.Tensor) else expand_models(o, b)
+            for o, batched in zip(outputs[n:], graph.out_batched, strict=True)
+        ]
+        return pytree.tree_unflatten(user, graph.out_spec)
+
+    def _state_for(self, graph: FusedGraph) -> list[Any]:
+        """What the array passes for each of `graph`'s slots (`_INPUT` for the call's
+        inputs), resolved once per graph until the array's tensors are replaced."""
+        cached = self._resolved.get(id(graph))
+        if cached is not None and cached[0] is graph:
+            return cached[1]
         values: list[Any] = []
         for slot in graph.slots:
             kind = slot.kind
@@ -258,20 +284,19 @@ class CapturedArray(VmapArray):
             elif kind is SlotKind.CONSTANT:
                 values.append(graph.constants[slot.name])
             elif kind is SlotKind.INPUT:
-                values.append(next(leaves))
+                values.append(_INPUT)
             else:
                 values.append(self._per_model[slot.name])
-        outputs = graph.module(*values)
-        n = len(graph.mutated)
-        with torch.no_grad():
-            for name, value in zip(graph.mutated, outputs[:n], strict=True):
-                self.get_buffer(name).copy_(value)
-        b = self.num_models
-        user = [
-            o if batched or not isinstance(o, torch.Tensor) else expand_models(o, b)
-            for o, batched in zip(outputs[n:], graph.out_batched, strict=True)
-        ]
-        return pytree.tree_unflatten(user, graph.out_spec)
+        self._resolved[id(graph)] = (graph, values)
+        return values
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CapturedArray:
+        self._resolved.clear()  # .to(), .float(), ...: buffers may be new tensors
+        super()._apply(fn, recurse)
+        return self
+
+
+_INPUT = object()  # marks the slots the call's inputs fill
 
 
 def clear_cache() -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.fused.capture.rules import Call, Rewrite, Rule, baddbmm, named
+from plait.fused.capture.rules import Call, Rewrite, Rule, named, product_sum
 from plait.fused.ops.base import expand_models, model_view
 from plait.fused.ops.conv import conv
 from plait.fused.ops.dropout import dropout as model_dropout
@@ -91,7 +91,7 @@ def linear(call: Call) -> Rewrite:
 def addmm(call: Call) -> Rewrite:
     """`bias + x @ w`: transformers' Conv1D when the weight is per model."""
     if not call.batched("mat2") or call.args["beta"] != 1 or call.args["alpha"] != 1:
-        return _addmm_generic(call, baddbmm)
+        return product_sum(("self", "mat1", "mat2"))(call)
 
     def impl(**kw: Any) -> Any:
         b = int(kw["mat2"].shape[0])
@@ -99,26 +99,6 @@ def addmm(call: Call) -> Rewrite:
         return batched_addmm(kw["self"], x, kw["mat2"])
 
     return Rewrite(named(impl, call.op, "fused"))
-
-
-def _addmm_generic(call: Call, rule: Rule) -> Rewrite:
-    renamed = Call(
-        op=call.op,
-        args={"self": call.args["self"], "batch1": call.args["mat1"],
-              "batch2": call.args["mat2"], "beta": call.args["beta"],
-              "alpha": call.args["alpha"]},  # fmt: skip
-        flags={"self": call.flags["self"], "batch1": call.flags["mat1"],
-               "batch2": call.flags["mat2"]},  # fmt: skip
-        where=call.where,
-        layer=call.layer,
-    )
-    inner = rule(renamed).impl
-
-    def impl(**kw: Any) -> Any:
-        return inner(self=kw["self"], batch1=kw["mat1"], batch2=kw["mat2"], beta=kw["beta"],
-                     alpha=kw["alpha"])  # fmt: skip
-
-    return Rewrite(named(impl, call.op))
 
 
 def embedding(call: Call) -> Rewrite:
@@ -182,18 +162,24 @@ def batch_norm_rule(call: Call) -> Rewrite:
         b = _models(kw, ["input", *_PARAMS, *_STATS])
         if not call.batched("input"):
             x = expand_models(x, b)
-        params = [kw[k] if kw[k] is None or call.batched(k) else
-                  kw[k].expand(b, *kw[k].shape).contiguous() for k in (*_PARAMS, *_STATS)]  # fmt: skip
+        params = [_per_model_copy(call, kw[k], k, b) for k in (*_PARAMS, *_STATS)]
         return batch_norm(x, *params, training=bool(kw["training"]),
                           momentum=float(kw["momentum"]), eps=float(kw["eps"]))  # fmt: skip
 
     return Rewrite(named(impl, call.op, "fused"))
 
 
+def _per_model_copy(call: Call, t: torch.Tensor | None, name: str, b: int) -> Any:
+    """`t` as [B, ...]: a shared tensor is copied to every model (kernels that view it
+    flat need real memory; its gradient still sums over the copies)."""
+    if t is None or call.batched(name):
+        return t
+    return t.expand(b, *t.shape).contiguous()
+
+
 def _affine(call: Call, b: int, kw: dict[str, Any]) -> list[Any]:
-    """weight and bias as [B, ...] (shared ones copied to every model)."""
-    return [kw[k] if kw.get(k) is None or call.batched(k) else
-            kw[k].expand(b, *kw[k].shape).contiguous() for k in _PARAMS]  # fmt: skip
+    """weight and bias as [B, ...]."""
+    return [_per_model_copy(call, kw.get(k), k, b) for k in _PARAMS]
 
 
 def layer_norm_rule(call: Call) -> Rewrite:
@@ -237,6 +223,26 @@ def rms_norm(call: Call) -> Rewrite:
     return Rewrite(named(impl, call.op, "fused"))
 
 
+def prelu(call: Call) -> Rewrite:
+    """PReLU: each model's slopes along its input's channel dim (dim 1; a single slope
+    applies everywhere)."""
+    if not call.batched("weight"):
+        return Rewrite(named(_per_sample(call.op, "self"), call.op))
+
+    def impl(**kw: Any) -> Any:
+        w = kw["weight"]
+        b = int(w.shape[0])
+        x = kw["self"] if call.batched("self") else expand_models(kw["self"], b)
+        per_model = x.dim() - 1
+        if w.shape[1] == 1 or per_model < 2:  # one slope, or a per-model vector of channels
+            slope = w.view(b, *([1] * (per_model - 1)), -1)
+        else:
+            slope = w.view(b, 1, -1, *([1] * (per_model - 2)))
+        return torch.where(x >= 0, x, slope * x)
+
+    return Rewrite(named(impl, call.op, "fused"))
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -263,15 +269,43 @@ def attention(call: Call) -> Rewrite:
                 mask = mask.view(*([1] * (q.dim() - mask.dim())), *mask.shape)
         if lead <= 1:  # [B, (heads,) T, d]: B is the batch already
             kw.update(query=q, key=k, value=v, attn_mask=mask)
-            return aten.scaled_dot_product_attention.default(**kw)
+            return _attend(**kw)
         if mask is not None:
             mask = mask.expand(*q.shape[:lead], *mask.shape[lead:]).flatten(0, lead - 1)
         kw.update(query=q.flatten(0, lead - 1), key=k.flatten(0, lead - 1),
                   value=v.flatten(0, lead - 1), attn_mask=mask)  # fmt: skip
-        out = aten.scaled_dot_product_attention.default(**kw)
-        return out.unflatten(0, q.shape[:lead])
+        return _attend(**kw).unflatten(0, q.shape[:lead])
 
     return Rewrite(named(impl, call.op, "fused"))
+
+
+def _attend(**kw: Any) -> torch.Tensor:
+    """torch's attention kernel; with dropout, its math path written out so that the
+    probabilities take the fused dropout (`ops.dropout`) and its fast kernel.
+
+    The written-out path computes what torch's CPU math path does: scores, the causal or
+    given mask, a softmax that leaves fully masked rows at zero, dropout, the product.
+    """
+    p = float(kw["dropout_p"])
+    if p == 0.0:
+        out: torch.Tensor = aten.scaled_dot_product_attention.default(**kw)
+        return out
+    q, k, v, mask = kw["query"], kw["key"], kw["value"], kw["attn_mask"]
+    if kw["enable_gqa"] and k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, -3), v.repeat_interleave(repeat, -3)
+    scale = kw["scale"] if kw["scale"] is not None else q.shape[-1] ** -0.5
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    t, s = scores.shape[-2:]
+    if kw["is_causal"]:
+        causal = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else (
+            scores + mask)  # fmt: skip
+    probs = aten._safe_softmax.default(scores, -1)
+    b = probs.shape[0]
+    return torch.matmul(model_dropout(probs, [p] * b, training=True), v)
 
 
 # ----------------------------------------------------------------------------- dropout
@@ -402,7 +436,7 @@ LAYER_RULES: dict[Any, Rule] = {
     aten.conv1d: convolution, aten.conv2d: convolution, aten.conv3d: convolution,
     aten.convolution: convolution, aten.batch_norm: batch_norm_rule,
     aten.layer_norm: layer_norm_rule, aten.group_norm: group_norm_rule,
-    aten.rms_norm: rms_norm, aten.scaled_dot_product_attention: attention,
+    aten.rms_norm: rms_norm, aten.prelu: prelu, aten.scaled_dot_product_attention: attention,
     aten.dropout: dropout, aten.pad: pad, aten.constant_pad_nd: pad,
     aten.cross_entropy_loss: class_loss, aten.nll_loss: class_loss,
     aten.nll_loss_nd: class_loss, aten.nll_loss2d: class_loss,

@@ -179,8 +179,8 @@ def rewrite(
             out_flags = [any_batched(flag(o)) for o in outs]
             continue
         path, kind = _layer(node)
-        where = (f"{model}: node '{node.name}' ({node.target}) in layer "
-                 f"'{path or model}' ({kind or model})")  # fmt: skip
+        place = f"layer '{path}' ({kind})" if path else f"{model}.forward"
+        where = f"{model}: node '{node.name}' ({node.target}) in {place}"
         if node.op != "call_function":
             raise UnsupportedLayerError(f"{where} cannot be fused ({node.op})")
         if node.target is operator.getitem:

@@ -118,6 +118,24 @@ def pointwise(call: Call) -> Rewrite:
     return Rewrite(named(impl, op))
 
 
+def broadcast_tensors(call: Call) -> Rewrite:
+    """broadcast_tensors: every member becomes per model ([B, ...]), then broadcasts."""
+    flags = call.flags["tensors"]
+
+    def impl(**kw: Any) -> Any:
+        tensors = kw["tensors"]
+        b = next(int(t.shape[0]) for t, f in zip(tensors, flags, strict=True) if f)
+        rank = max(t.dim() - (1 if f else 0) for t, f in zip(tensors, flags, strict=True))
+        members = [
+            t[(slice(None),) + (None,) * (rank - t.dim() + 1)] if f
+            else expand_models(t.view(*([1] * (rank - t.dim())), *t.shape), b)
+            for t, f in zip(tensors, flags, strict=True)
+        ]  # fmt: skip
+        return aten.broadcast_tensors.default(members)
+
+    return Rewrite(named(impl, call.op))
+
+
 def same_shape(call: Call) -> Rewrite:
     """Operators that keep their input's shape (casts, copies, `*_like`): unchanged."""
     return Rewrite(call.op)
@@ -260,7 +278,9 @@ def concat(call: Call) -> Rewrite:
     def impl(**kw: Any) -> Any:
         tensors = kw["tensors"]
         b = next(int(t.shape[0]) for t, f in zip(tensors, flags, strict=True) if f)
-        kw["tensors"] = [t if f else expand_models(t, b) for t, f in zip(tensors, flags, strict=True)]
+        kw["tensors"] = [
+            t if f else expand_models(t, b) for t, f in zip(tensors, flags, strict=True)
+        ]
         kw["dim"] = shift(kw["dim"])
         return op(**kw)
 
@@ -389,18 +409,24 @@ def matmul(call: Call) -> Rewrite:
     return Rewrite(named(impl, call.op))
 
 
-def baddbmm(call: Call) -> Rewrite:
-    """beta * self + alpha * (batch1 @ batch2), per model."""
-    flags = [call.batched(k) for k in ("self", "batch1", "batch2")]
+def product_sum(names: tuple[str, str, str]) -> Rule:
+    """beta * base + alpha * (a @ b) (baddbmm, addmm), per model; `names` are the
+    schema's (base, a, b)."""
 
-    def impl(**kw: Any) -> Any:
-        prod = torch.matmul(*align([kw["batch1"], kw["batch2"]], flags[1:]))
-        if kw["alpha"] != 1:
-            prod = prod * kw["alpha"]
-        base = kw["self"] if kw["beta"] == 1 else kw["self"] * kw["beta"]
-        return operator.add(*align([base, prod], [flags[0], True]))
+    def rule(call: Call) -> Rewrite:
+        flags = [call.batched(k) for k in names]
+        base_name, a_name, b_name = names
 
-    return Rewrite(named(impl, call.op))
+        def impl(**kw: Any) -> Any:
+            prod = torch.matmul(*align([kw[a_name], kw[b_name]], flags[1:]))
+            if kw["alpha"] != 1:
+                prod = prod * kw["alpha"]
+            base = kw[base_name] if kw["beta"] == 1 else kw[base_name] * kw["beta"]
+            return operator.add(*align([base, prod], [flags[0], True]))
+
+        return Rewrite(named(impl, call.op))
+
+    return rule
 
 
 def einsum(call: Call) -> Rewrite:
@@ -408,7 +434,7 @@ def einsum(call: Call) -> Rewrite:
     flags = call.flags["tensors"]
     equation = str(call.args["equation"]).replace(" ", "")
     lhs, _, rhs = equation.partition("->")
-    if "..." in equation or not rhs and "->" not in equation:
+    if "..." in equation or "->" not in equation:
         raise call.unsupported("einsum needs an explicit output ('->') without '...'")
     free = next(c for c in "BZYXWVUTSRQPONMLKJIHGFEDCAzyxwvutsrqponmlkjihgfedcba"
                 if c not in equation)  # fmt: skip
@@ -476,11 +502,20 @@ RULES: dict[Any, Rule] = {
     aten.fill_.Scalar: same_shape, aten.zero_: same_shape, aten.copy_: in_place_copy,
     aten._assert_tensor_metadata: assert_metadata,
     # products
-    aten.mm: matmul, aten.bmm: matmul, aten.matmul: matmul, aten.baddbmm: baddbmm,
+    aten.mm: matmul, aten.bmm: matmul, aten.matmul: matmul,
+    aten.baddbmm: product_sum(("self", "batch1", "batch2")),
     aten.einsum: einsum,
     # per-model values turned into Python or shapes
     aten.item: _DATA_DEPENDENT, aten._local_scalar_dense: _DATA_DEPENDENT,
     aten.nonzero: _DATA_DEPENDENT, aten.masked_select: _DATA_DEPENDENT,
+    aten.sym_size: _DATA_DEPENDENT, aten.sym_numel: _DATA_DEPENDENT,
+    aten.sym_stride: _DATA_DEPENDENT, aten.unique_consecutive: _DATA_DEPENDENT,
+    aten._unique2: _DATA_DEPENDENT,
+    # logical and bitwise operators torch does not tag pointwise
+    **{op: pointwise for op in (aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor,
+                                aten.__and__.Scalar, aten.__or__.Scalar, aten.__xor__.Scalar,
+                                aten.__iand__.Tensor, aten.__ior__.Tensor)},
+    aten.broadcast_tensors: broadcast_tensors,
 }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.fused import native
 from plait.fused.hparams import coefficient, per_model
 from plait.fused.ops.base import FusedModule
 
@@ -17,6 +18,9 @@ def dropout(x: torch.Tensor, p: Sequence[float], *, training: bool) -> torch.Ten
     """Dropout over [B, ...] with model b's probability `p[b]`, every element drawn anew."""
     if not training or all(q == 0.0 for q in p):
         return x
+    lib = native.dropout_kernels(x)
+    if lib is not None:
+        return native.dropout(x, list(p), lib=lib)
     if all(q == p[0] for q in p):
         return F.dropout(x, p[0], True)
     keep = [1.0 - q for q in p]
