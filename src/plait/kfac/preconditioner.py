@@ -740,7 +740,7 @@ class KFAC:
         pend = self._pending.pop(key, None)
         if pend is not None:
             t0 = time.perf_counter()
-            pend.future.wait()
+            ops.wait(pend.future)
             self._inv_s += time.perf_counter() - t0  # an inversion done elsewhere
             s = self.pipeline.slot(key)
             self._second[key] = SecondOrder.from_wire(
@@ -786,11 +786,11 @@ class KFAC:
                                 name=f"gradient {name}")  # fmt: skip
             entries.append((layer, buf, grad, fut))
         for fut in self._inflight:
-            fut.wait()
+            ops.wait(fut)
         self._inflight.clear()
         for *_, fut in entries:
             if fut is not None:
-                fut.wait()
+                ops.wait(fut)
         self._write([(layer, p, grad) for layer, p, grad, _ in entries], step)
 
     def _write(self, pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]], step: int) -> None:
