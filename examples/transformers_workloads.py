@@ -95,8 +95,9 @@ def _bert(info: DataInfo, *, width: int = 32, layers: int = 2, **_: Any) -> nn.M
     config = transformers.BertConfig(
         vocab_size=info.input_vocab, max_position_embeddings=info.input_shape[0],
         hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
-        num_attention_heads=max(1, width // 16), num_labels=info.num_classes,
+        num_attention_heads=max(1, width // 16),
     )  # fmt: skip
+    config.num_labels = info.num_classes  # the classifier's outputs (sets the label maps too)
     return transformers.BertForSequenceClassification(config)
 
 
@@ -104,8 +105,9 @@ def _resnet18(info: DataInfo, *, width: int = 8, **_: Any) -> nn.Module:
     config = transformers.ResNetConfig(
         num_channels=info.input_shape[0], embedding_size=width,
         hidden_sizes=[width, 2 * width, 4 * width, 8 * width], depths=[2, 2, 2, 2],
-        layer_type="basic", num_labels=info.num_classes,
+        layer_type="basic",
     )  # fmt: skip
+    config.num_labels = info.num_classes
     return transformers.ResNetForImageClassification(config)
 
 

@@ -155,3 +155,21 @@ def test_unfusable_node_is_named_and_the_fallback_offered() -> None:
     opt = FusedSGD(array.parameters(), lr=0.1)
     out.sum().backward()
     opt.step()
+
+
+def test_a_converted_array_captures_and_exports_in_its_new_dtype() -> None:
+    """`.double()` after fusing: the captured model and the exported members follow the
+    array's dtype (the stock template keeps the dtype the models were built in)."""
+    factory, batch = PADDED["resnet"]
+    inputs = batch(torch.Generator().manual_seed(4))
+    inputs["pixel_values"] = inputs["pixel_values"].double()
+    array = plait.fuse(build(factory, B)).double()
+    array.eval()
+    with torch.no_grad():
+        out = array(**inputs)
+        assert out.logits.dtype == torch.float64
+        for b, (model, stock) in enumerate(zip(array.to_modules(), build(factory, B), strict=True)):
+            assert all(p.dtype == torch.float64 for p in model.parameters())
+            ref = stock.double().eval()(**{k: v[b] for k, v in inputs.items()})
+            # float64 end to end: only float64 rounding of differently ordered sums.
+            assert rel_err(out.logits[b], ref.logits) <= 1e-12

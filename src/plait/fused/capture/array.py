@@ -214,17 +214,21 @@ class CapturedArray(VmapArray):
         return graph
 
     def _one_model(self, b: int) -> nn.Module:
-        """Model b as a stock module (a copy of its weights, ties kept)."""
-        device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        model = copy.deepcopy(self._skeleton).to_empty(device=device)
-        for alias, name in self._tied.items():
-            parent, _, leaf = alias.rpartition(".")
-            model.get_submodule(parent)._parameters[leaf] = model.get_parameter(name)
+        """Model b as a stock module: copies of its tensors in the array's dtype and on
+        its device, ties kept."""
+        model = copy.deepcopy(self._skeleton)
         with torch.no_grad():
             for name in self._param_names:
-                model.get_parameter(name).copy_(self.get_parameter(name)[b])
+                p = self.get_parameter(name)
+                parent, _, leaf = name.rpartition(".")
+                copied = nn.Parameter(p[b].clone(), requires_grad=p.requires_grad)
+                model.get_submodule(parent)._parameters[leaf] = copied
+            for alias, name in self._tied.items():
+                parent, _, leaf = alias.rpartition(".")
+                model.get_submodule(parent)._parameters[leaf] = model.get_parameter(name)
             for name in self._buffer_names:
-                model.get_buffer(name).copy_(self.get_buffer(name)[b])
+                parent, _, leaf = name.rpartition(".")
+                model.get_submodule(parent)._buffers[leaf] = self.get_buffer(name)[b].clone()
         return model
 
     def to_modules(self) -> list[nn.Module]:
