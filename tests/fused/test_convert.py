@@ -56,12 +56,13 @@ def test_digits_cnn_trains_like_stock() -> None:
 def test_resnet18_gradients_as_accurate_as_stock() -> None:
     # A width-2 ResNet-18 on 4 samples normalises late stages over a handful of values,
     # so batch norm's backward cancels heavily: stock fp32 gradients themselves differ
-    # from fp64 by ~1e-5, and by up to ~5x more when the same stock model runs
-    # channels-last (as fused convolutions do when asked to). The fair test compares the
-    # fp32 versions with fp64: the fused error stays within 2x of stock's in either layout.
+    # from fp64 by ~1e-5. The fair test compares the fp32 versions with fp64: the fused
+    # error stays within 2x of stock's. (Stock channels-last is no reference here: on an
+    # AVX2 CPU, oneDNN's 1x1 stride-2 NHWC weight gradient with fewer input channels than
+    # its block of 8, as in this model's shortcuts, writes past its workspace (oneDNN
+    # issue 6035): heap corruption on one thread here with torch 2.13, and by that
+    # report wrong gradients or a hang on more.)
     stock = build(lambda: ResNet18(in_channels=1, width=2), 2)
-    stock_nhwc = [m.to(memory_format=torch.channels_last)
-                  for m in build(lambda: ResNet18(in_channels=1, width=2), 2)]  # fmt: skip
     exact = [m.double() for m in build(lambda: ResNet18(in_channels=1, width=2), 2)]
     array = plait.fuse(build(lambda: ResNet18(in_channels=1, width=2), 2))
     x, t = torch.randn(2, 4, 1, 16, 16), torch.randn(2, 4, 10)
@@ -71,14 +72,11 @@ def test_resnet18_gradients_as_accurate_as_stock() -> None:
     for b in range(2):
         assert rel_err(out[b], stock[b](x[b])) <= RTOL
         ((stock[b](x[b]) - t[b]) ** 2).mean().backward()
-        nhwc = x[b].contiguous(memory_format=torch.channels_last)
-        ((stock_nhwc[b](nhwc) - t[b]) ** 2).mean().backward()
         ((exact[b](x[b].double()) - t[b].double()) ** 2).mean().backward()
         for name, p in array.named_parameters():
             ref = exact[b].get_parameter(name).grad
             fused_err = max(fused_err, rel_err(p.grad[b], ref))
-            for m in (stock[b], stock_nhwc[b]):
-                stock_err = max(stock_err, rel_err(m.get_parameter(name).grad, ref))
+            stock_err = max(stock_err, rel_err(stock[b].get_parameter(name).grad, ref))
     assert fused_err <= max(2 * stock_err, RTOL)
 
 
