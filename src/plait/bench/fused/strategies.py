@@ -164,7 +164,8 @@ class Vmap(Runner):
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
         self.steps = [torch.zeros(()) for _ in self.params]
-        self.fused = setup.adam is StockAdam.FUSED
+        self.fused = setup.adam is StockAdam.FUSED  # the implementation the stock ones use
+        self.foreach = setup.adam is StockAdam.FOREACH
         self.s = setup
 
     def train(self, steps: int) -> None:
@@ -177,7 +178,7 @@ class Vmap(Runner):
             with torch.no_grad():
                 adam(
                     self.params, [p.grad for p in self.params], self.exp_avg,
-                    self.exp_avg_sq, [], self.steps, foreach=not self.fused, fused=self.fused,
+                    self.exp_avg_sq, [], self.steps, foreach=self.foreach, fused=self.fused,
                     amsgrad=False, beta1=0.9, beta2=0.999, lr=LR, weight_decay=0.0, eps=1e-8,
                     maximize=False,
                 )  # fmt: skip
