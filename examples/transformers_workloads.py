@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from plait.data import load_digits_split, load_text_split, synthetic_tokens
-from plait.workloads import DataInfo, DataSplit, Task, Workload
+from plait.workloads import DataInfo, DataSplit, Task, Workload, get_workload
 
 #: Characters of context of the language models (and positions they know).
 BLOCK = 32
@@ -46,18 +45,6 @@ def _synthetic_text(n: int) -> DataSplit:
     ds = synthetic_tokens(n=n, block_size=BLOCK, vocab_size=vocab)
     info = DataInfo(input_shape=(BLOCK,), num_classes=vocab, block_size=BLOCK)
     return DataSplit(train=ds, test=None, info=info, name="synthetic")
-
-
-def _digit_tokens() -> DataSplit:
-    """Digits as sequences of 64 pixel tokens (17 grey levels)."""
-    train, test = load_digits_split(image=False)
-
-    def tokens(ds: TensorDataset) -> TensorDataset:
-        x, y = ds.tensors
-        return TensorDataset(torch.round(x * 16).long(), y)
-
-    info = DataInfo(input_shape=(64,), num_classes=10, input_vocab=17)
-    return DataSplit(train=tokens(train), test=tokens(test), info=info, name="digits-tokens")
 
 
 def _digit_images() -> DataSplit:
@@ -127,7 +114,9 @@ def llama() -> Workload:
 
 def bert() -> Workload:
     """BERT for sequence classification of digits read as 64 pixel tokens."""
-    return Workload(name="hf-bert", build=_bert, real=_digit_tokens,
+    # The digits as 64 pixel tokens: plait's own Transformer workload's data.
+    digit_tokens = get_workload("digits-transformer").real
+    return Workload(name="hf-bert", build=_bert, real=digit_tokens,
                     description=bert.__doc__ or "", bench_batch=8, train_batch=32, lr=1e-3,
                     optimizer="adam", epochs=3)  # fmt: skip
 

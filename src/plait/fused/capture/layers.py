@@ -68,6 +68,20 @@ def _per_sample(op: Any, first: str) -> Callable[..., Any]:
     return impl
 
 
+def _input(call: Call, kw: dict[str, Any], b: int) -> torch.Tensor:
+    """The call's `input` as [B, ...]: an input shared by all models is expanded to B."""
+    x: torch.Tensor = kw["input"]
+    return x if call.batched("input") else expand_models(x, b)
+
+
+def _bias(call: Call, kw: dict[str, Any], b: int) -> torch.Tensor | None:
+    """The call's `bias` as [B, ...] (a bias shared by all models expanded), or None."""
+    bias: torch.Tensor | None = kw["bias"]
+    if bias is not None and not call.batched("bias"):
+        bias = bias.expand(b, *bias.shape)
+    return bias
+
+
 # ------------------------------------------------------------------------------ layers
 
 
@@ -79,10 +93,8 @@ def linear(call: Call) -> Rewrite:
 
     def impl(**kw: Any) -> Any:
         b = int(kw["weight"].shape[0])
-        x = kw["input"] if call.batched("input") else expand_models(kw["input"], b)
-        bias = kw["bias"]
-        if bias is not None and not call.batched("bias"):
-            bias = bias.expand(b, *bias.shape)
+        x = _input(call, kw, b)
+        bias = _bias(call, kw, b)
         return batched_linear(x, kw["weight"], bias)
 
     return Rewrite(named(impl, call.op, "fused"))
@@ -135,10 +147,8 @@ def convolution(call: Call) -> Rewrite:
 
     def impl(**kw: Any) -> Any:
         b = int(kw["weight"].shape[0])
-        x = kw["input"] if call.batched("input") else expand_models(kw["input"], b)
-        bias = kw["bias"]
-        if bias is not None and not call.batched("bias"):
-            bias = bias.expand(b, *bias.shape)
+        x = _input(call, kw, b)
+        bias = _bias(call, kw, b)
         return conv(x, kw["weight"], bias, stride=kw["stride"], padding=kw["padding"],
                     dilation=kw["dilation"], groups=int(kw["groups"]))  # fmt: skip
 
@@ -188,7 +198,7 @@ def layer_norm_rule(call: Call) -> Rewrite:
 
     def impl(**kw: Any) -> Any:
         b = _models(kw, ["input", *_PARAMS])
-        x = kw["input"] if call.batched("input") else expand_models(kw["input"], b)
+        x = _input(call, kw, b)
         weight, bias = _affine(call, b, kw)
         return layer_norm(x, kw["normalized_shape"], weight, bias, float(kw["eps"]))
 
@@ -201,7 +211,7 @@ def group_norm_rule(call: Call) -> Rewrite:
 
     def impl(**kw: Any) -> Any:
         b = _models(kw, ["input", *_PARAMS])
-        x = kw["input"] if call.batched("input") else expand_models(kw["input"], b)
+        x = _input(call, kw, b)
         weight, bias = _affine(call, b, kw)
         return group_norm(x, int(kw["num_groups"]), weight, bias, float(kw["eps"]))
 
@@ -215,7 +225,7 @@ def rms_norm(call: Call) -> Rewrite:
 
     def impl(**kw: Any) -> Any:
         b = int(kw["weight"].shape[0])
-        x = kw["input"] if call.batched("input") else expand_models(kw["input"], b)
+        x = _input(call, kw, b)
         shape = list(kw["normalized_shape"])
         y = F.rms_norm(x, shape, None, kw["eps"])
         return y * model_view(kw["weight"], y.dim(), len(shape))
