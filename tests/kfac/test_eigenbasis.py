@@ -63,7 +63,9 @@ def _data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "net":
         x = torch.randn(BATCH, 2, 5, 5, generator=g, dtype=torch.float64)
         return x, torch.randint(0, 5, (BATCH,), generator=g)
-    return torch.randint(0, 11, (BATCH, 3), generator=g), torch.randint(0, 11, (BATCH, 3), generator=g)
+    return torch.randint(0, 11, (BATCH, 3), generator=g), torch.randint(
+        0, 11, (BATCH, 3), generator=g
+    )
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -156,8 +158,9 @@ def test_rotations_carry_moments_exactly_through_reordered_and_flipped_bases() -
     perm_g, perm_a = torch.tensor([2, 0, 1]), torch.tensor([3, 1, 0, 2])
     rg = torch.eye(3, dtype=torch.float64)[perm_g] * torch.tensor([1.0, -1.0, 1.0]).unsqueeze(1)
     ra = torch.eye(4, dtype=torch.float64)[perm_a] * -1.0
-    got_m, got_v = rotate_first(m, ra.unsqueeze(0), rg.unsqueeze(0)), rotate_second(
-        v, ra.unsqueeze(0), rg.unsqueeze(0)
+    got_m, got_v = (
+        rotate_first(m, ra.unsqueeze(0), rg.unsqueeze(0)),
+        rotate_second(v, ra.unsqueeze(0), rg.unsqueeze(0)),
     )
     signs = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64).view(3, 1)
     assert torch.equal(got_m[0], -(signs * m[0][perm_g][:, perm_a]))

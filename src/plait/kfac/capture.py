@@ -175,7 +175,7 @@ class FactorCapture:
             total, rows = layer.g_sum(g, batch, packed=self.packed, reduce=reduce)
             self.sink(layer, FactorKind.G, total, rows)
             if bases is not None:
-                self._scale(layer, batch, x, g, bases, reduce)
+                self._scale(layer, batch, x, g, bases=bases, reduce=reduce)
         self._count(t0)
 
     def _scale(
@@ -184,6 +184,7 @@ class FactorCapture:
         batch: int,
         x: torch.Tensor,
         g: torch.Tensor,
+        *,
         bases: LayerBases,
         reduce: bool,
     ) -> None:

@@ -57,7 +57,6 @@ from plait.kfac.factors import (
 )
 from plait.kfac.layers import FactorKind, FactorShape, KFACLayer
 
-
 #: A layer's decompositions held on this worker (A, G), or None.
 Held = Callable[[str], "tuple[SecondOrder, SecondOrder] | None"]
 
@@ -178,9 +177,8 @@ class UpdateRule:
 
     def _rotate(self, name: str, st: _Layer, ra: torch.Tensor | None,
                 rg: torch.Tensor | None) -> None:  # fmt: skip
-        for key in ("m",):
-            if key in st.tensors:
-                st.tensors[key] = rotate_first(st.tensors[key], ra, rg)
+        if "m" in st.tensors:
+            st.tensors["m"] = rotate_first(st.tensors["m"], ra, rg)
         if "v" in st.tensors:
             st.tensors["v"] = rotate_second(st.tensors["v"], ra, rg)
 
@@ -188,7 +186,7 @@ class UpdateRule:
         """Called when the layer gets its first basis."""
 
     def direction(
-        self, name: str, grad: torch.Tensor, a: SecondOrder, g: SecondOrder, *, step: int,
+        self, name: str, grad: torch.Tensor, a: SecondOrder, g: SecondOrder, *,
         damping: float, update: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """The layer's new gradient; `update` False leaves every state as it was."""
@@ -272,9 +270,12 @@ class UpdateRule:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            name: {"t": st.t, "tensors": dict(st.tensors),
-                   "a": None if st.a is None else st.a.state(),
-                   "g": None if st.g is None else st.g.state()}  # fmt: skip
+            name: {
+                "t": st.t,
+                "tensors": dict(st.tensors),
+                "a": None if st.a is None else st.a.state(),
+                "g": None if st.g is None else st.g.state(),
+            }
             for name, st in self.layers.items()
         }
 

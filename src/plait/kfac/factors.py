@@ -260,9 +260,7 @@ def precondition(grad: torch.Tensor, a: SecondOrder, g: SecondOrder) -> torch.Te
     return from_basis(to_basis(grad, a, g) / (eigenvalue_products(a, g) + a.damping), a, g)
 
 
-def explicit_form(
-    form: InverseForm, method: Method, *, dim: int, partner: int, uses: int
-) -> bool:
+def explicit_form(form: InverseForm, method: Method, *, dim: int, partner: int, uses: int) -> bool:
     """Whether the inverse method keeps a factor of side `dim` as an explicit inverse.
 
     AUTO weighs one worker's work between two inversions: the Cholesky form saves an

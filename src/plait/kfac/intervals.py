@@ -448,7 +448,10 @@ def choose_by_progress(
     """
     if progress is None or not progress.informed:
         return choose_intervals(costs, rho=rho, max_interval=max_interval, factor=factor, inv=inv)
-    per_s = [r / max(step_time_s(costs, c), 1e-12) for r, c in zip(progress.rates, candidates, strict=True)]
+    per_s = [
+        r / max(step_time_s(costs, c), 1e-12)
+        for r, c in zip(progress.rates, candidates, strict=True)
+    ]
     best = max(range(len(candidates)), key=lambda k: (per_s[k], -k))
     return candidates[best]
 
@@ -457,8 +460,8 @@ def ladder(centre: int, *, max_interval: int, unit: int = 1) -> list[int]:
     """Inversion intervals around `centre`: ``centre / LADDER, centre, centre * LADDER``,
     multiples of `unit` (a fixed factor interval) within ``unit .. max_interval``."""
     out: list[int] = []
-    for i in (centre // LADDER, centre, centre * LADDER):
-        i = max(unit, min(max_interval, i // unit * unit))
+    for raw in (centre // LADDER, centre, centre * LADDER):
+        i = max(unit, min(max_interval, raw // unit * unit))
         if i not in out:
             out.append(i)
     return out
@@ -623,7 +626,11 @@ class AutoIntervals(IntervalController):
             return self.fixed_factor
         if costs is None:  # the first probe: every kind of step, before any cost is known
             return 1 if self.lazy else max(1, inv // 2)
-        return choose_intervals(costs, rho=self.planner.rho, max_interval=inv, inv=inv).factor
+        # the smallest divisor within the budget, else the cheapest (the inversion's part
+        # of the overhead is the same for all)
+        budget = self.planner.rho * costs.base_step_s
+        divisors = [f for f in range(1, inv + 1) if inv % f == 0]
+        return next((f for f in divisors if overhead_s(costs, f, inv) <= budget), inv)
 
     def _start_probe(self, step: int, costs: StepCosts | None) -> None:
         if self.fixed_inv is not None:
@@ -650,8 +657,9 @@ class AutoIntervals(IntervalController):
             if nxt < self._blocks[-1].stop:
                 return None
             return self._decide_after_probe(nxt, agree, priced)
-        if nxt == self._next_probe and (nxt == WARMUP_STEPS or self.fixed_inv is None):
-            self._start_probe(nxt, None if nxt == WARMUP_STEPS else self.planner.decided_on)
+        first = self.planner.decided_on is None
+        if nxt >= self._next_probe and (first or self.fixed_inv is None):
+            self._start_probe(nxt, None if first else self.planner.decided_on)
             return None
         self._since += 1
         if self.planner.decided_on is None or self._since < self.planner.window:

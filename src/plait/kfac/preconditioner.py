@@ -560,11 +560,10 @@ class KFAC:
                 buf[pos : pos + n] = self.rule.layer_state(layer)
             pos += n
         ops.all_reduce(buf, group=self.groups.group, name="kfac layer states", async_op=False)
-        dtype = self.pipeline.running.dtype if self.pipeline.running is not None else torch.float32
         pos = 0
         for layer, n in zip(moved, sizes, strict=True):
             if self.rank in new.grad_workers(layer.name):
-                self.rule.set_layer_state(layer, buf[pos : pos + n], dtype)
+                self.rule.set_layer_state(layer, buf[pos : pos + n], self._dtype)
             pos += n
 
     # ------------------------------------------------------------------ inversions
@@ -608,17 +607,28 @@ class KFAC:
                 self._pending.pop(s.key, None)
                 if owner == self.rank and len(workers) > 1:
                     wire = so.to_wire(packed=self.cfg.packed)
-                    fut = ops.broadcast(wire, src=self.groups.global_rank(owner),
-                                        group=self.groups.get(workers), name=f"inverse {s.key}")  # fmt: skip
+                    fut = self._broadcast(wire, owner, workers, f"inverse {s.key}")
                     self._inflight.append(fut)
                     self.stats.broadcasts += 1
             else:
-                buf = torch.empty(second_order_numel(method, s.shape, packed=self.cfg.packed),
-                                  dtype=self.pipeline.running.dtype)  # type: ignore[union-attr]  # fmt: skip
-                fut = ops.broadcast(buf, src=self.groups.global_rank(owner),
-                                    group=self.groups.get(workers), name=f"inverse {s.key}")  # fmt: skip
+                numel = second_order_numel(method, s.shape, packed=self.cfg.packed)
+                buf = torch.empty(numel, dtype=self._dtype)
+                fut = self._broadcast(buf, owner, workers, f"inverse {s.key}")
                 self._pending[s.key] = _Pending(future=fut, buffer=buf, damping=damping,
                                                 explicit=explicit)  # fmt: skip
+
+    def _broadcast(
+        self, t: torch.Tensor, src: int, ranks: tuple[int, ...], name: str
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Broadcast `t` from group rank `src` to `ranks` (their group, made by `groups`)."""
+        return ops.broadcast(
+            t, src=self.groups.global_rank(src), group=self.groups.get(ranks), name=name
+        )
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        running = self.pipeline.running
+        return running.dtype if running is not None else torch.float32
 
     def decompose(self, slot: Slot, step: int) -> SecondOrder:
         """Decompose one factor's running average as `step` does; nothing is stored."""
@@ -671,8 +681,9 @@ class KFAC:
             workers = asg.grad_workers(name)
             held = None
             if self.rank in workers:
-                held = self._resolve(factor_key(name, FactorKind.A)), self._resolve(
-                    factor_key(name, FactorKind.G)
+                held = (
+                    self._resolve(factor_key(name, FactorKind.A)),
+                    self._resolve(factor_key(name, FactorKind.G)),
                 )
                 self.rule.refresh(name, *held)
                 if fresh and isinstance(self.rule, EKFACRule):
@@ -683,7 +694,7 @@ class KFAC:
             p: torch.Tensor | None = None
             if held is not None:
                 with span(f"precondition {name}", PRECONDITION):
-                    p = self.rule.direction(name, grad, *held, step=step,
+                    p = self.rule.direction(name, grad, *held,
                                             damping=damping).contiguous()  # fmt: skip
             if len(workers) == self.world:
                 assert p is not None
@@ -696,8 +707,7 @@ class KFAC:
                 entries.append((layer, p, grad, None))
                 continue
             buf = p if p is not None else torch.empty(grad.shape, dtype=grad.dtype)
-            fut = ops.broadcast(buf, src=self.groups.global_rank(src),
-                                group=self.groups.get(receivers), name=f"gradient {name}")  # fmt: skip
+            fut = self._broadcast(buf, src, receivers, f"gradient {name}")
             entries.append((layer, buf, grad, fut))
         for fut in self._inflight:
             fut.wait()
@@ -758,10 +768,12 @@ class KFAC:
                 continue
             layer = self.layers[name]
             grad = layer.grad_matrix()
-            if grad is None or (isinstance(self.rule, EKFACRule) and name not in self.rule.snapshot):
+            if grad is None or (
+                isinstance(self.rule, EKFACRule) and name not in self.rule.snapshot
+            ):
                 continue
             with span(f"precondition {name}", PRECONDITION):
-                p = self.rule.direction(name, grad, *held, step=t, damping=damping, update=False)
+                p = self.rule.direction(name, grad, *held, damping=damping, update=False)
             pairs.append((layer, p, grad))
         self._write(pairs, t)
         self.rule.rest(self._rest_params(), update=False)
