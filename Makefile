@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 DOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
-.PHONY: install demo test test-all lint typecheck check bench bench-fused race docs clean
+.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused race gpu-suite docs clean
 
 install: $(STAMP)
 
@@ -34,6 +34,20 @@ test-all: install
 	$(BIN)/python -m pytest -q
 	$(DOCS)
 
+# The suite on another torch release: `make test-torch VERSION=2.14.1` installs that torch
+# and plait (editable, with the dev extra) into a venv of its own, .venv-torch-VERSION,
+# then runs what `make test` runs there; the summary is kept in .venv-torch-VERSION/test.log.
+# docs/install.md's support matrix records each release's result.
+TORCH_VENV = .venv-torch-$(VERSION)
+test-torch:
+	@test -n "$(VERSION)" || { echo "usage: make test-torch VERSION=2.14.1" >&2; exit 2; }
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet "torch==$(VERSION)"
+	$(TORCH_VENV)/bin/python -m pip install --quiet -e ".[dev]" "torch==$(VERSION)"
+	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	bash -o pipefail -c '$(TORCH_VENV)/bin/python -m pytest -q -m "not slow" \
+		-p no:cacheprovider 2>&1 | tee $(TORCH_VENV)/test.log'
+
 lint: install
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
@@ -57,6 +71,14 @@ race: install
 	PLAIT=$(BIN)/plait benchmarks/race/run.sh
 	$(BIN)/python -m plait.bench.fused.sweep_race --trials 32 --epochs 10 --repeats 3 \
 		--concurrent 2 --out benchmarks/hfta/sweep-race
+
+# The GPU suite (plait.bench.gpu_suite) for a lent GPU machine: bare (torch, the repository,
+# no install step, nothing to download), so it runs from src/ with the machine's python3, in
+# at most 9 minutes, into one folder (and GPU_SUITE_OUT.tar.gz beside it). Rehearse it on
+# the CPU with `make gpu-suite PYTHON=.venv/bin/python GPU_SUITE_ARGS=--dry-run`.
+GPU_SUITE_OUT ?= runs/gpu-suite
+gpu-suite:
+	PYTHONPATH=src $(PYTHON) -m plait.bench.gpu_suite --out $(GPU_SUITE_OUT) $(GPU_SUITE_ARGS)
 
 # The documentation site (mkdocs.yml, docs/) into site/; strict: broken links fail.
 docs: install

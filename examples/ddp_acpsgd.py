@@ -122,6 +122,10 @@ def main() -> None:
             logger.info(
                 "epoch %d: last loss %.4f, test accuracy %.3f", epoch + 1, loss.item(), accuracy
             )
+    # Free the DDP wrapper before its process group: a reducer that outlives the group
+    # and is freed last can hang gloo's teardown at exit (plait's wrappers guard against
+    # it, a stock DDP does not).
+    del model, opt
     dist.destroy_process_group()
 
 

@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd"])
     parser.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite)")
-    parser.add_argument("--study", default="fused-sweep-example")
+    parser.add_argument("--study", default=None, help="Optuna study (default: one per optimizer)")
     parser.add_argument("--max-models", type=int, default=16)
     args = parser.parse_args()
     if int(os.environ.get("RANK", "0")) != 0:
@@ -113,7 +113,7 @@ def main() -> None:
     cfg = SweepConfig(
         trials=args.trials,
         epochs=args.epochs,
-        study=args.study,
+        study=args.study or f"fused-sweep-example-{args.optimizer}",
         storage=args.storage,
         max_models=args.max_models,
         optimizer=optimizer,

@@ -37,6 +37,33 @@ def test_bad_input_exits_2(
     assert message in capsys.readouterr().err
 
 
+def test_device_cuda_is_refused_without_a_gpu_and_pipelines_on_a_shared_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    import plait.cluster
+
+    def no_cluster(*_: object, **__: object) -> None:
+        raise AssertionError("a cluster was built before the input was refused")
+
+    monkeypatch.setattr(plait.cluster.Cluster, "create", no_cluster)
+    argv = ["bench", "--device", "cuda", "--nodes", "2", "--strategies", "ssgd"]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+        # one GPU, as the lent machines have: four ranks share it through gloo
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    argv = ["bench", "--device", "cuda", "--workload", "gpt", "--strategies", "plan:pp=2"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "strategy 'plan:" in err
+    assert "send and receive take host memory only" in err
+
+
 def test_contract_flags_parse() -> None:
     p = build_parser()
     a = p.parse_args(

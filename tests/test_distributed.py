@@ -59,3 +59,52 @@ def test_new_groups_carry_the_default_groups_timeout() -> None:
         assert out["init"] == 2 and out["sum"] == 2.0
         assert out["default"] == out["solo"] == out["pair"] == out["mesh"] == _TIMEOUT_S
         assert out["explicit"] == 7.0  # a timeout given by the caller wins
+
+
+@pytest.mark.parametrize(
+    ("ranks", "gpus", "index", "backend", "device", "shared"),
+    [
+        (4, 0, 2, "gloo", "cpu", False),  # the CPU: gloo, whatever the host has
+        (4, 1, 3, "gloo", "cuda:0", True),  # four emulated nodes on one GPU
+        (4, 2, 3, "gloo", "cuda:1", True),  # round-robin over the GPUs
+        (2, 2, 1, "cpu:gloo,cuda:nccl", "cuda:1", False),  # a GPU each: NCCL
+    ],
+)
+def test_gpu_placement_shares_gpus_through_gloo_and_gives_nccl_a_gpu_each(
+    ranks: int, gpus: int, index: int, backend: str, device: str, shared: bool
+) -> None:
+    kind = "cpu" if gpus == 0 else "cuda"
+    place = pdist.gpu_placement(kind, host_ranks=ranks, host_index=index, gpus=gpus)
+    assert (place.backend, place.device, place.shared) == (backend, device, shared)
+    assert place.nccl == ("nccl" in backend)
+
+
+def test_gpu_placement_refuses_what_cannot_run() -> None:
+    with pytest.raises(ValueError, match="no CUDA device"):
+        pdist.gpu_placement("cuda", host_ranks=2, host_index=0, gpus=0)
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        pdist.gpu_placement("tpu", host_ranks=1, host_index=0, gpus=0)
+    with pytest.raises(ValueError, match="not a rank"):
+        pdist.gpu_placement("cpu", host_ranks=2, host_index=2, gpus=0)
+
+
+def test_host_ranks_count_every_emulated_node_of_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("PLAIT_NODES", raising=False)
+    assert pdist.host_ranks() == (2, 1)  # torchrun alone: its node is the host
+    monkeypatch.setenv("PLAIT_NODES", "4")
+    monkeypatch.setenv("PLAIT_NODE", "3")
+    assert pdist.host_ranks() == (8, 7)  # emulated nodes share the host
+
+
+def test_device_kind_reads_plait_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pdist.DEVICE_ENV, "cpu")
+    assert pdist.device_kind() == "cpu"
+    monkeypatch.setenv(pdist.DEVICE_ENV, "xpu")
+    with pytest.raises(ValueError, match="expected cpu or cuda"):
+        pdist.device_kind()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(pdist.DEVICE_ENV, "cuda")
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            pdist.device_kind()

@@ -113,3 +113,39 @@ def test_scratch_dir_removal_and_keep(caplog: pytest.LogCaptureFixture) -> None:
         for path in (removed, kept):
             _proc._SCRATCH.pop(path, None)
             shutil.rmtree(path, ignore_errors=True)
+
+
+def test_interrupts_held_defers_a_stop_signal_to_the_end_of_the_block() -> None:
+    from plait._proc import interrupts_held
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGINT)}"), interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)  # as if it arrived while torch imports
+        reached.append("the rest of the block ran")
+    assert reached == ["the rest of the block ran"]
+    # the handlers are back: Python's own Ctrl-C raises at once again
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts_held():
+        pass  # no signal, nothing raised
+
+
+def test_scratch_of_a_killed_process_is_removed_by_the_next(tmp_path: Path) -> None:
+    """`kill -9` skips atexit: the folder used to stay for good."""
+    code = (
+        "import os, signal, tempfile, sys; tempfile.tempdir = sys.argv[1]; "
+        "from plait._proc import scratch_dir, keep_scratch; "
+        "a = scratch_dir('plait-train-'); b = scratch_dir('plait-logs-'); "
+        "keep_scratch(b, 'for the report'); print(a, b, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == -signal.SIGKILL
+    left, kept = (Path(p) for p in proc.stdout.split())
+    assert left.is_dir() and kept.is_dir()
+    from plait._proc import reap_scratch
+
+    removed = reap_scratch(tmp_path)
+    assert removed == [left] and not left.exists()
+    assert kept.is_dir()  # a failure report pointed the user there

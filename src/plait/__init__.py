@@ -13,13 +13,14 @@ Library entry points (the `plait` command line is built on them):
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
-from plait.dp import data_parallel
-from plait.fused import fuse
-
 if TYPE_CHECKING:
+    from plait.dp import data_parallel
+    from plait.fused import fuse
     from plait.parallel import Plan, parallelize
 
 try:  # one version: the installed distribution's metadata, set in pyproject.toml
@@ -29,11 +30,21 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path without an i
 
 __all__ = ["Plan", "__version__", "data_parallel", "fuse", "parallelize"]
 
+#: Entry points, imported on first use: ``import plait`` itself loads no torch (the command
+#: line's ``--help`` stays fast), and `fuse` alone pulls in torch.library's fake tensors
+#: and with them torch._dynamo (1.2 s of the 2.4 s ``import plait`` took when eager).
+_LAZY = {
+    "data_parallel": "plait.dp",
+    "fuse": "plait.fused",
+    "Plan": "plait.parallel",
+    "parallelize": "plait.parallel",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # plait.parallel imports DTensor, FSDP and pipelining: only when first used
-    if name in ("Plan", "parallelize"):
-        import plait.parallel
-
-        return getattr(plait.parallel, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if not name.startswith("_") and importlib.util.find_spec(f"plait.{name}") is not None:
+        # every module is an attribute (``plait.crossover.attach`` after ``import plait``)
+        return importlib.import_module(f"plait.{name}")
     raise AttributeError(f"module 'plait' has no attribute {name!r}")

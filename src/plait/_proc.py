@@ -14,8 +14,10 @@ import atexit
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -80,7 +82,10 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+@functools.cache
 def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, found on first use: `find_library` runs a subprocess, which would
+    slow every import of plait (and the command line's first instant) by tens of ms."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6", use_errno=True)
@@ -88,9 +93,6 @@ def _prctl() -> Callable[..., int] | None:
     except (OSError, AttributeError):
         return None
     return fn
-
-
-_PRCTL = _prctl()
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> bool:
@@ -103,9 +105,10 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     Returns:
         Whether the parent-death signal is set.
     """
-    if _PRCTL is None:
+    prctl = _prctl()
+    if prctl is None:
         return False
-    if _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+    if prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         return False
     if expected_parent is not None and os.getppid() != expected_parent:
         os.kill(os.getpid(), sig)
@@ -118,7 +121,7 @@ def die_with_parent_preexec() -> Callable[[], None]:
     Only a prebuilt ctypes call runs in the child, so no Python lock is taken there.
     """
     parent = os.getpid()
-    prctl = _PRCTL
+    prctl = _prctl()
 
     def preexec() -> None:
         if prctl is not None:
@@ -188,6 +191,35 @@ def deferred_signals(on_signal: Callable[[int], None] | None = None) -> Iterator
 
 
 @contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Note Ctrl-C, SIGTERM and SIGHUP inside the block; raise KeyboardInterrupt after it.
+
+    A command's first second imports torch, whose import swallows a KeyboardInterrupt
+    raised inside it (measured: a Ctrl-C in the first 0.2-0.4 s was lost in about half
+    of the tries, and the job then built its cluster and trained to the end; once C++
+    aborted on it). Held here, the signal cannot land inside torch; it stops the command
+    as soon as the block ends, before anything is built. Outside the main thread this
+    does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if got:
+        raise KeyboardInterrupt(f"signal {got[0]}")
+
+
+@contextlib.contextmanager
 def stop_signals_interrupt() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into KeyboardInterrupt, as Ctrl-C is, while inside.
 
@@ -231,6 +263,33 @@ def temp_dir(prefix: str, *, keep_on_error: bool = False) -> Iterator[Path]:
 
 
 _SCRATCH: dict[Path, Callable[[], None]] = {}
+#: ``<prefix>o<pid>.<start>-<random>``: the owner of a scratch folder, by pid and start time.
+_OWNER = re.compile(r"^plait-.*?o(\d+)\.(\d+)-[^-]+$")
+_reaped: list[bool] = []  # one sweep per process (`scratch_dir`)
+_KEPT = ".kept"
+
+
+def reap_scratch(root: Path | None = None) -> list[Path]:
+    """Remove this user's scratch folders whose owner died without cleaning up (SIGKILL).
+
+    Folders kept for a failure report (`keep_scratch`, marked by a ``.kept`` file) stay:
+    the user was pointed to them.
+    """
+    removed = []
+    base = root or Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            m = _OWNER.match(entry.name)
+            if m is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                    continue
+            if process_alive(int(m.group(1)), int(m.group(2))) or Path(entry.path, _KEPT).exists():
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
 
 
 def scratch_dir(prefix: str) -> Path:
@@ -238,9 +297,15 @@ def scratch_dir(prefix: str) -> Path:
     Ctrl-C, or SIGTERM/SIGHUP while a cluster is up), unless `keep_scratch` keeps it.
 
     For folders that outlive the function creating them: a job's config handed to
-    torchrun, a probe's output read after the cluster is down.
+    torchrun, a probe's output read after the cluster is down. Its name carries this
+    process's pid and start time, so the first scratch folder of a later process removes
+    the ones a ``kill -9`` left behind (`reap_scratch`).
     """
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    if not _reaped:
+        _reaped.append(True)
+        reap_scratch()
+    pid = os.getpid()
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}o{pid}.{pid_start_time(pid) or 0}-"))
 
     def remove() -> None:
         shutil.rmtree(path, ignore_errors=True)
@@ -255,4 +320,6 @@ def keep_scratch(path: Path, why: str = "for the failure report") -> None:
     remove = _SCRATCH.pop(path, None)
     if remove is not None:
         atexit.unregister(remove)
+        with contextlib.suppress(OSError):
+            (path / _KEPT).write_text(why)
         logger.warning("kept %s %s", path, why)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 import tomllib
 import traceback
@@ -15,11 +16,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
-from plait._proc import scratch_dir
+from plait._proc import interrupts_held, scratch_dir
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
 from plait.log import check_tensorboard, configure, level_from
 from plait.specs import split_specs
-from plait.train.args import add_train_args, config_from_args
 from plait.units import parse_size
 
 #: Emulated nodes when ``--nodes`` is not given, the same in every command: the size of the
@@ -58,6 +58,9 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
+        # a value starting with a dash and a digit is a value (`--latency -5ms` reaches its
+        # check, which says what is wrong), not an unknown flag ("expected one argument")
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -92,6 +95,21 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per worker process")
     g.add_argument(
         "--timeout", type=float, default=None, help="wall-clock limit in seconds (default: none)"
+    )
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the ranks compute: cuda puts every rank on this host's GPUs (ranks "
+        "sharing a GPU talk through gloo, a GPU each through NCCL); auto: cuda if present",
+    )
+    g.add_argument(
+        "--link",
+        default="auto",
+        choices=["auto", "tc", "model"],
+        help="how --bandwidth/--latency shape the links: tc on network namespaces (root, "
+        "not gVisor), model: plait's collectives take an alpha-beta model's time on "
+        "loopback; auto: tc where it works, else model",
     )
 
 
@@ -133,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes")
     d.add_argument("--out", default="runs/demo", help="where the demo writes its results")
     d.add_argument("--quick", action="store_true", help="fewer steps (for smoke tests)")
+
+    from plait.train.args import add_train_args
 
     t = sub.add_parser("train", help="train a workload with a strategy")
     _add_config_arg(t)
@@ -251,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     pl.add_argument("--all", action="store_true", help="list every candidate plan")
     pl.add_argument("--json", default=None, help="also write the table as JSON here")
+    pl.add_argument(
+        "--races",
+        default="benchmarks/race",
+        help="races (folders of plait race results) whose steps to target rank the "
+        "data-parallel strategies and optimizers by time to target (with --data real); "
+        "'none' ranks them by projected step time",
+    )
     _add_debug_flag(parser)
     return parser
 
@@ -258,13 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
     g = parser.add_mutually_exclusive_group()
     g.add_argument(
+        "-v",
         "--verbose",
         action="store_true",
         default=default,
         help="also log debugging detail, each line naming its logger",
     )
     g.add_argument(
-        "--quiet", action="store_true", default=default, help="log warnings and errors only"
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=default,
+        help="log warnings and errors only, and draw no progress bar",
     )
 
 
@@ -579,6 +611,8 @@ def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkS
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from plait.train.args import config_from_args
+
     cfg = config_from_args(args)
     if "RANK" in os.environ:  # already launched by torchrun: train in this process
         from plait.train.loop import train
@@ -606,7 +640,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     if not result.ok:
         print(result.tail(), file=sys.stderr)
-        print(f"plait train: failed (exit codes {result.returncodes})", file=sys.stderr)
+        print(f"plait train: failed: {result.describe_failure()}", file=sys.stderr)
         return 1
     return 0
 
@@ -629,6 +663,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if not result.ok:
         print(result.tail(), file=sys.stderr)
+        print(f"plait run: failed: {result.describe_failure()}", file=sys.stderr)
     return 0 if result.ok else 1
 
 
@@ -972,10 +1007,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{choice.plan.describe()}\n\nwhy: {choice.reason}\n"
     )
     print(choice.table(limit=None if args.all else 25))
+    advice = _data_parallel_advice(args, world)
+    print(f"\n{advice.text()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(choice.to_dict(), indent=2))
+        doc = {**choice.to_dict(), "data_parallel": {"best": advice.best, "rows": advice.rows}}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
+
+
+def _data_parallel_advice(args: argparse.Namespace, world: int) -> Any:
+    """The projection's data-parallel strategy and optimizer for the described cluster
+    (`plait.bench.project.recommend`), beside the parallel plan."""
+    from plait.bench.project import recommend
+
+    races = []
+    if args.races != "none" and Path(args.races).is_dir():
+        races = sorted(Path(args.races).glob("*/results.json"))
+    return recommend(
+        args.workload,
+        world=world,
+        rate=resolve_bandwidth(args.bandwidth),
+        races=races,
+        real=args.data == "real",
+    )
 
 
 def _probe_network(args: argparse.Namespace) -> Any:
@@ -1045,7 +1100,12 @@ def _number(
 
 
 def _creatable(flag: str, path: str, p: Path) -> None:
-    """The nearest existing ancestor of `p` is a directory this process may write into."""
+    """The nearest existing ancestor of `p` is a directory this process can create in.
+
+    Tried, not inferred from permission bits: root passes every ``access`` check, yet
+    cannot create a file in /proc or on a read-only mount (``--out /proc/plait.json``
+    used to train to the end and then lose the metrics).
+    """
     anc = p.parent
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
@@ -1053,6 +1113,14 @@ def _creatable(flag: str, path: str, p: Path) -> None:
         raise ValueError(f"{flag} {path!r}: cannot be created, {str(anc)!r} is not a directory")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path!r}: cannot be created, {str(anc)!r} is not writable")
+    probe = anc / f".plait-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path!r}: cannot be created in {str(anc)!r} ({exc.strerror})"
+        ) from None
+    os.unlink(probe)
 
 
 def _writable_dir(flag: str, path: str | None) -> None:
@@ -1087,6 +1155,60 @@ def _writable_file(flag: str, path: str | None) -> None:
     _creatable(flag, path, p)
 
 
+#: Bounds of every number a command takes, by its destination: (lowest, highest), both
+#: included. One table for all commands, checked before any command-specific check, so a
+#: flag means the same range wherever it appears and an absurd value (``--steps 1e23``,
+#: ``--threads 1000000``, ``--lr 1e308``) fails in one line instead of later, in a worker.
+#: Counts of steps stop at ten million (a day at 120 steps/s), processes at what one
+#: emulated machine can hold, seeds at what torch's generator takes.
+NUMBER_BOUNDS: dict[str, tuple[float, float]] = {
+    "nproc_per_node": (1, 256),
+    "threads": (1, 1024),
+    "timeout": (1, 365 * 86400),
+    "steps": (1, 10**7),
+    "epochs": (1, 10**6),
+    "max_steps": (1, 10**7),
+    "warmup": (0, 10**7),
+    "eval_every": (0, 10**7),
+    "checkpoint_every": (0, 10**7),
+    "chunk": (1, 10**7),
+    "repeats": (1, 10**4),
+    "rounds": (1, 10**4),
+    "batch_size": (1, 10**7),
+    "accumulate": (1, 10**4),
+    "max_restarts": (0, 100),
+    "trials": (1, 10**6),
+    "max_models": (1, 4096),
+    "n": (1, 4096),
+    "slots": (1, 4096),
+    "seed": (0, 2**63 - 1),
+    "seeds": (0, 2**63 - 1),
+    "lr": (1e-12, 1e3),
+    "momentum": (0, 1),
+    "weight_decay": (0, 1e3),
+}
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every number in `args` within `NUMBER_BOUNDS` (lists element by element)."""
+    for dest, (low, high) in NUMBER_BOUNDS.items():
+        value = getattr(args, dest, None)
+        values = value if isinstance(value, tuple | list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                continue  # not given, or text checked elsewhere (race's --lr LABEL=LR)
+            if not (math.isfinite(v) and low <= v <= high):
+                flag = f"--{dest.replace('_', '-')}"
+                kind = "an integer" if isinstance(v, int) else "a number"
+                raise ValueError(
+                    f"{flag} {v}: expected {kind} from {_bound(low)} to {_bound(high)}"
+                )
+
+
+def _bound(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _bandwidths(text: str | None, *, multi: bool) -> str | None:
     """Check ``--bandwidth`` (a list when `multi`) and return it as tc reads it."""
     if text is None:
@@ -1116,6 +1238,55 @@ def _check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = Fal
             raise ValueError(f"--latency: {exc}") from None
         args.latency = args.latency.strip().lower()
     _number("--loss", args.loss, low=0, high=100, high_open=True)
+    if args.link == "model" and args.loss:
+        raise ValueError(f"--loss {args.loss} with --link model: a modelled link loses no packets")
+    args.placement = _placement(args.device, args.nodes * args.nproc_per_node)
+
+
+def _placement(device: str, ranks: int) -> Any:
+    """Where rank 0 of `ranks` on this host computes and which backend they use
+    (`plait.distributed.gpu_placement`); ``cuda`` without a GPU is refused here."""
+    import torch
+
+    from plait.distributed import gpu_placement
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kind = ("cuda" if gpus else "cpu") if device == "auto" else device
+    if kind == "cuda" and not gpus:
+        raise ValueError("--device cuda: this machine has no CUDA device")
+    return gpu_placement(kind, host_ranks=ranks, host_index=0, gpus=gpus)
+
+
+def _check_backend(strategy: Any, args: argparse.Namespace) -> None:
+    """Refuse a strategy whose collectives the job's backend cannot run on its device."""
+    from plait.comm import check_collectives
+
+    place = getattr(args, "placement", None)
+    if place is not None:
+        check_collectives(
+            f"strategy {strategy.describe()!r}",
+            strategy.collectives(),
+            backend=place.backend,
+            device=place.device,
+        )
+
+
+def _export_cluster_env(args: argparse.Namespace) -> None:
+    """Hand ``--device`` and ``--link`` to everything this command launches (the workers
+    read PLAIT_DEVICE, `Cluster.create` reads PLAIT_LINK) and say how ranks share GPUs."""
+    from plait.cluster.netns import LINK_ENV
+    from plait.distributed import DEVICE_ENV
+
+    place = args.placement
+    os.environ[DEVICE_ENV] = "cuda" if place.device.startswith("cuda") else "cpu"
+    os.environ[LINK_ENV] = args.link
+    if place.shared:
+        ranks = args.nodes * args.nproc_per_node
+        print(
+            f"plait {args.command}: {ranks} ranks share this host's GPU(s); their collectives "
+            "go through gloo (CUDA tensors by way of pinned host memory)",
+            flush=True,
+        )
 
 
 def _check_tensorboard(log_dir: str | None) -> None:
@@ -1133,6 +1304,17 @@ def _check_group(flag: str, group: str | None) -> None:
         )
 
 
+def _check_token_dir(flag: str) -> None:
+    """The compute token's folder is this user's own, checked here rather than in every
+    worker after the namespaces exist (another user's folder, a link)."""
+    from plait.crossover.token import token_dir
+
+    try:
+        token_dir()
+    except PermissionError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def _check_device(flag: str, device: str) -> None:
     """``cpu`` or ``cuda[:N]`` with such a GPU present."""
     m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
@@ -1147,8 +1329,11 @@ def _check_device(flag: str, device: str) -> None:
             raise ValueError(f"{flag} {device!r}: this machine has {count} CUDA device(s)")
 
 
-def _check_strategies(specs: list[str], workloads: list[str], world: int) -> None:
-    """Every spec fully checked, and each against each workload's benchmark model."""
+def _check_strategies(
+    specs: list[str], workloads: list[str], world: int, args: argparse.Namespace | None = None
+) -> None:
+    """Every spec fully checked, against the job's backend and device (`args.placement`)
+    and against each workload's benchmark model."""
     from plait.train.strategy import Strategy, make_strategy
     from plait.workloads import get_workload
 
@@ -1158,6 +1343,8 @@ def _check_strategies(specs: list[str], workloads: list[str], world: int) -> Non
     for spec in specs:
         strategy = make_strategy(spec)
         built.append(strategy)
+        if args is not None:
+            _check_backend(strategy, args)
     for w in workloads:
         wl = get_workload(w)
         model = None
@@ -1196,20 +1383,35 @@ def _validate_train(args: argparse.Namespace) -> None:
     _writable_file("--trace", args.trace)
     _check_tensorboard(args.tensorboard)
     _check_group("--crossover", args.crossover)
+    if args.crossover is not None:
+        _check_token_dir("--crossover")
     if args.memory is not None:
         parse_size(args.memory, what="--memory size")
+    from plait.train.args import config_from_args
+
     cfg = config_from_args(args)  # workload, strategy spec and its options
     if "RANK" in os.environ:
         return  # a worker: the parent checked the rest before launching
     from plait.train.strategy import Strategy
     from plait.workloads import get_workload
 
+    world = args.nodes * args.nproc_per_node
+    wl = get_workload(cfg.workload)
+    data = wl.real() if cfg.data == "real" else wl.bench_data(cfg.synthetic_samples)
+    samples = len(data.train)  # type: ignore[arg-type]
+    batch = cfg.batch_size or wl.train_batch
+    if batch * cfg.accumulate * world > samples:
+        raise ValueError(
+            f"--batch-size {batch} x --accumulate {cfg.accumulate} x {world} rank(s): one "
+            f"step needs {batch * cfg.accumulate * world} samples, the {cfg.data} data of "
+            f"{cfg.workload!r} has {samples}; at most --batch-size "
+            f"{max(1, samples // (cfg.accumulate * world))}"
+        )
     strategy = cfg.strategy_choice.build()
     try:
+        _check_backend(strategy, args)
         if type(strategy).check is not Strategy.check:  # plan degrees against world, model
-            wl = get_workload(cfg.workload)
-            data = wl.real() if cfg.data == "real" else wl.bench_data(8)
-            strategy.check(wl.model(data.info), world=args.nodes * args.nproc_per_node)
+            strategy.check(wl.model(data.info), world=world)
     finally:
         strategy.close()
 
@@ -1239,7 +1441,10 @@ def _validate_bench(args: argparse.Namespace) -> None:
     _writable_dir("--out", args.out)
     _check_tensorboard(args.tensorboard)
     _check_strategies(
-        split_specs(args.strategies), _workloads(args.workload), args.nodes * args.nproc_per_node
+        split_specs(args.strategies),
+        _workloads(args.workload),
+        args.nodes * args.nproc_per_node,
+        args,
     )
 
 
@@ -1299,6 +1504,7 @@ def _validate_race(args: argparse.Namespace) -> None:
     for e in spec.entries:  # plan degrees against the world and the real model
         strategy = make_strategy(e.spec)
         try:
+            _check_backend(strategy, args)
             if type(strategy).check is not Strategy.check:
                 model = model or wl.model(wl.real().info)
                 strategy.check(model, world=args.nodes * args.nproc_per_node)
@@ -1320,6 +1526,7 @@ def _validate_crossover(args: argparse.Namespace) -> None:
             "--steps >= --warmup + 2 (two steps after warm-up to measure a rate)"
         )
     _check_group("--group", args.group)
+    _check_token_dir("plait crossover run")
     _writable_file("--trace", args.trace)
     _writable_dir("--out", args.out)
     if len(args.jobs) < 2:
@@ -1330,11 +1537,11 @@ def _validate_crossover(args: argparse.Namespace) -> None:
         if job.config is not None:
             try:
                 cfg = TrainConfig(**job.config)
-                _check_strategies([cfg.strategy_spec()], [cfg.workload], world)
+                _check_strategies([cfg.strategy_spec()], [cfg.workload], world, args)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"job {spec!r}: {exc}") from None
         elif job.workload is not None and job.strategy is not None:
-            _check_strategies([job.strategy], [job.workload], world)  # plans against the world
+            _check_strategies([job.strategy], [job.workload], world, args)  # plans, backend
         elif job.command and not Path(job.command[0]).is_file():
             raise ValueError(
                 f"job {spec!r}: no such script {job.command[0]!r} (expected WORKLOAD/STRATEGY, "
@@ -1438,6 +1645,9 @@ def _validate_plan(args: argparse.Namespace) -> None:
         parse_size(args.memory, what="--memory size")
     args.bandwidth = _bandwidths(args.bandwidth, multi=False)
     _writable_file("--json", args.json)
+    default_races = _subcommand(build_parser(), "plan").get_default("races")
+    if args.races not in ("none", default_races) and not Path(args.races).is_dir():
+        raise ValueError(f"--races {args.races!r}: not a folder of race results (or 'none')")
 
 
 # ---------------------------------------------------------------------------- run configs
@@ -1603,11 +1813,21 @@ def main(argv: list[str] | None = None) -> int:
     Bad input, found before anything is built or in the command itself (ValueError), exits
     with code 2; any other error with code 1; both print one line unless ``--debug``.
     """
-    args = build_parser().parse_args(argv)
     try:
-        args = parse_command_line(argv)
-        configure(level_from(args.verbose, args.quiet))
-        VALIDATORS[args.command](args)
+        # a Ctrl-C while torch imports (parsing, checking) stops the command once they end
+        with interrupts_held():
+            args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("\nplait: interrupted", file=sys.stderr)
+        return 130
+    try:
+        with interrupts_held():
+            args = parse_command_line(argv)
+            configure(level_from(args.verbose, args.quiet))
+            check_numbers(args)
+            VALIDATORS[args.command](args)
+        if hasattr(args, "placement"):
+            _export_cluster_env(args)
         return COMMANDS[args.command](args)
     except ValueError as exc:
         _fail(args, 2, str(exc))

@@ -96,5 +96,15 @@ def import_target(target: str, *, what: str) -> object:
         return module
     try:
         return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        # `plait` runs from its script's folder, not the current one: a module beside the
+        # user (`--workload mywork:make` with ./mywork.py) is found as `python -m` would
+        top = target.split(".", maxsplit=1)[0]
+        here = Path.cwd()
+        beside = (here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file()
+        if e.name != top or not beside or str(here) in sys.path:
+            raise ValueError(f"{what} module {target!r} does not import: {e}") from e
+        sys.path.insert(0, str(here))
+        return import_target(target, what=what)
     except ImportError as e:
         raise ValueError(f"{what} module {target!r} does not import: {e}") from e

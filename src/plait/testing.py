@@ -187,6 +187,7 @@ class Outcome:
         message: ``"Type: text"`` of the exception (``"raised"`` only).
         exitcode: the process's exit code (negative: killed by that signal).
         elapsed_s: seconds from fn's start to its return or raise, measured by the rank.
+        exception: the raised exception's class, ``module.QualName`` (``"raised"`` only).
     """
 
     rank: int
@@ -196,6 +197,7 @@ class Outcome:
     message: str = ""
     exitcode: int | None = None
     elapsed_s: float | None = None
+    exception: str = ""
 
 
 def _faulty_worker(  # noqa: PLR0917 - multiprocessing passes arguments positionally
@@ -222,7 +224,8 @@ def _faulty_worker(  # noqa: PLR0917 - multiprocessing passes arguments position
     except BaseException as exc:
         elapsed = time.monotonic() - start
         message = f"{type(exc).__name__}: {exc}"
-        results.put((rank, False, (traceback.format_exc(), message), elapsed))
+        cls = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        results.put((rank, False, (traceback.format_exc(), message, cls), elapsed))
     else:
         elapsed = time.monotonic() - start
         results.put((rank, True, pickle.dumps(value), elapsed))
@@ -279,7 +282,12 @@ def run_faulty(
                 )
             else:
                 reported[rank] = Outcome(
-                    rank, "raised", error=payload[0], message=payload[1], elapsed_s=elapsed
+                    rank,
+                    "raised",
+                    error=payload[0],
+                    message=payload[1],
+                    elapsed_s=elapsed,
+                    exception=payload[2],
                 )
 
     try:
@@ -309,7 +317,16 @@ def run_faulty(
         if r in reported:
             o = reported[r]
             out.append(
-                Outcome(o.rank, o.status, o.value, o.error, o.message, p.exitcode, o.elapsed_s)
+                Outcome(
+                    o.rank,
+                    o.status,
+                    o.value,
+                    o.error,
+                    o.message,
+                    p.exitcode,
+                    o.elapsed_s,
+                    o.exception,
+                )
             )
         else:
             out.append(Outcome(r, "hung" if r in hung else "died", exitcode=p.exitcode))

@@ -102,6 +102,26 @@ def test_worker_env_pins_every_transport_to_the_node_link() -> None:
     loop = worker_env(Cluster(nodes=2, emulated=False), 1, threads=2)
     assert loop["GLOO_SOCKET_IFNAME"] == "lo" and loop[LOOPBACK_ENV] == "1"
     assert loop["OMP_NUM_THREADS"] == "2" and loop["PLAIT_EMULATED"] == "0"
+    assert env["PLAIT_LINK"] == "tc" and loop["PLAIT_LINK"] == "none"
+
+
+def test_worker_env_of_a_modelled_link_names_rate_and_delay() -> None:
+    net = NetworkSpec(bandwidth="slow", latency="2ms")
+    c = Cluster(nodes=2, network=net, emulated=False, link="model")
+    env = worker_env(c, 0, threads=1, extra=None)
+    assert (env["PLAIT_LINK"], env["PLAIT_RATE"], env["PLAIT_LATENCY"]) == (
+        "model", "100mbit", "2ms"
+    )  # fmt: skip
+    from plait.comm import link
+
+    os_env = dict(os.environ)
+    try:
+        os.environ.update({k: env[k] for k in ("PLAIT_LINK", "PLAIT_RATE", "PLAIT_LATENCY")})
+        model = link.from_env()
+    finally:
+        os.environ.clear()
+        os.environ.update(os_env)
+    assert model is not None and model.model.bandwidth_bps == pytest.approx(1e8 / link.FRAMING)
 
 
 def _flags(cmd: list[str]) -> dict[str, str]:
@@ -156,7 +176,7 @@ def test_a_failed_node_stops_the_others_after_a_grace(monkeypatch: pytest.Monkey
     monkeypatch.setattr(launch_mod, "_FAIL_GRACE_S", 0.3)
     procs = [subprocess.Popen(["sleep", "60"], start_new_session=True), subprocess.Popen(["false"])]
     start = time.monotonic()
-    assert launch_mod._wait_all(procs, None, None) is False  # not a timeout
+    assert launch_mod._wait_all(procs, None, None) == (False, [])  # not a timeout, none hung
     assert time.monotonic() - start < 10
     assert procs[0].poll() is None  # still running: stopping it is _kill_all's work
     launch_mod._kill_all(procs)
@@ -166,10 +186,77 @@ def test_a_failed_node_stops_the_others_after_a_grace(monkeypatch: pytest.Monkey
 def test_a_deadline_or_a_stop_ends_the_wait() -> None:
     procs = [subprocess.Popen(["sleep", "60"], start_new_session=True)]
     try:
-        assert launch_mod._wait_all(procs, time.monotonic() + 0.2, None) is True
+        assert launch_mod._wait_all(procs, time.monotonic() + 0.2, None) == (True, [])
         stop = threading.Event()
         stop.set()
-        assert launch_mod._wait_all(procs, None, stop) is False
+        assert launch_mod._wait_all(procs, None, stop) == (False, [])
     finally:
         launch_mod._kill_all(procs)
     assert procs[0].returncode is not None
+
+
+def test_a_node_hung_after_its_peers_finished_is_stopped_and_reported(tmp_path: Path) -> None:
+    """A worker that never exits (as a gloo teardown deadlock at interpreter exit does)
+    while the other node's workers succeeded: torchrun's exit barrier would wait 300 s and
+    call the job done; the launcher stops it after the grace and keeps its log."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            if os.environ["PLAIT_NODE"] == "1":
+                print("node 1 finished its work, then hangs", flush=True)
+                time.sleep(600)
+            """
+        )
+    )
+    with Cluster.create(nodes=2, quiet=True) as c:
+        res = launch(c, [str(job)], timeout_s=120, quiet=True, exit_grace_s=3.0)
+    assert res.hung == [1] and not res.ok and not res.timed_out
+    assert res.returncodes[0] == 0  # node 0's workers succeeded before it was stopped
+    assert res.elapsed_s < 60
+    assert "node 1 was still running" in res.describe_failure()
+    assert "hangs" in res.logs[1].read_text()  # the log is kept for the report
+    # torchrun's own log folders live inside the job's, not as /tmp/torchelastic_*
+    assert (res.log_dir / "torchelastic-node1").is_dir()
+
+
+def test_a_stopped_launch_keeps_its_logs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plait import _proc
+
+    def interrupted(*args: object, **kwargs: object) -> tuple[bool, list[int]]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_mod, "_wait_all", interrupted)
+    before = set(_proc._SCRATCH)
+    with Cluster.create(nodes=2, quiet=True) as c, pytest.raises(KeyboardInterrupt):
+        launch(c, ["-c", "pass"], module=False, quiet=True)
+    created = [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"plait-{c.cid}-*")]
+    assert created, "the launch made its log folder"
+    # kept: no longer removed at exit (it holds the logs of where the job was stopped)
+    assert not any(p in _proc._SCRATCH for p in created)
+    assert before >= set(_proc._SCRATCH) - set(created)
+
+
+def test_an_error_every_restart_would_repeat_stops_the_job_at_once(tmp_path: Path) -> None:
+    """A full disk or a refused checkpoint used to fail every restart alike."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys, time
+            from plait.cluster.agent import report_fatal
+            with open({str(tmp_path / "attempts")!r}, "a") as f:
+                f.write(os.environ["PLAIT_NODE"])
+            if os.environ["PLAIT_NODE"] == "1":
+                report_fatal("CheckpointError: the disk is full (ENOSPC)")
+                sys.exit(1)
+            time.sleep(600)
+            """
+        )
+    )
+    with Cluster.create(nodes=2, quiet=True) as c:
+        res = launch(c, [str(job)], timeout_s=120, max_restarts=3, quiet=True)
+    assert not res.ok and "the disk is full" in res.fatal
+    assert "without restarting" in res.describe_failure()
+    assert (tmp_path / "attempts").read_text().count("1") == 1  # no restart was tried

@@ -68,3 +68,50 @@ def test_collective_error_names_the_group_and_the_lost_peer() -> None:
         assert f"failed on rank {rank} in the group of ranks [0, 1] (size 2)" in message
         assert f"peer rank {1 - rank} ([127.0.0.1]:4242) lost" in message
         assert typed == message
+
+
+def test_collective_errors_turns_transport_failures_into_the_class() -> None:
+    from plait.comm.ops import CollectiveError, collective_error, collective_errors
+
+    gloo = (
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+        "[10.200.1.2]:4021"
+    )
+    with pytest.raises(CollectiveError, match=r"'step'.*lost") as info, collective_errors("step"):
+        raise RuntimeError(gloo)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # DDP hands a failed hook back as text: the error comes back with its attributes
+    original = collective_error(Collective.ALL_REDUCE, "allreduce b0", None, RuntimeError(gloo))
+    wrapped = RuntimeError(f"Got the following error: CollectiveError: {original}\n\nAt: x")
+    with pytest.raises(CollectiveError) as again, collective_errors("step"):
+        raise wrapped
+    assert again.value.collective == "allreduce b0" and str(again.value) == str(original)
+    # anything else passes through untouched
+    with pytest.raises(RuntimeError, match="shape mismatch"), collective_errors("step"):
+        raise RuntimeError("shape mismatch")
+    with pytest.raises(ValueError), collective_errors("step"):
+        raise ValueError("gloo")
+
+
+def _retained_after_destroy(rank: int, world: int) -> tuple[bool, bool]:
+    import gc
+
+    import torch.distributed as dist
+
+    import plait
+    from plait import distributed as pdist
+
+    model = plait.data_parallel(torch.nn.Linear(4, 2), "acpsgd:rank=1")
+    group = model.process_group
+    model(torch.randn(3, 4)).sum().backward()
+    dist.destroy_process_group()
+    del model
+    gc.collect()
+    # the reducer was not the group's last owner: its destructor joined no gloo thread
+    return any(g is group for g in pdist._RETAINED.values()), len(pdist._RETAINED) >= 1
+
+
+def test_data_parallel_groups_outlive_their_wrapper() -> None:
+    """The DDP tutorial's order (destroy the group, then drop the model) hung at exit when
+    the reducer held a gloo group's last reference (see `plait.distributed.retain_group`)."""
+    assert run_distributed(_retained_after_destroy, world_size=2) == [(True, True)] * 2

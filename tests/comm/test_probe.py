@@ -59,10 +59,28 @@ def _fake_dist(clock: _Clock, world: int) -> Any:
     )
 
 
+def _fake_ops(clock: _Clock, world: int) -> Any:
+    """A stand-in for plait.comm.ops (the probe's door to the collectives), timed alike."""
+
+    def timed(op: Collective) -> Any:
+        def run(buf: torch.Tensor, **_: Any) -> None:
+            clock.now += LINKS[op].time(op, buf.numel() * buf.element_size(), world)
+
+        return run
+
+    return types.SimpleNamespace(
+        all_reduce=timed(Collective.ALL_REDUCE),
+        all_gather=timed(Collective.ALL_GATHER),
+        reduce_scatter=timed(Collective.REDUCE_SCATTER),
+        broadcast=timed(Collective.BROADCAST),
+    )
+
+
 @pytest.fixture
 def simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock()
     monkeypatch.setattr(probe, "dist", _fake_dist(clock, WORLD))
+    monkeypatch.setattr(probe, "ops", _fake_ops(clock, WORLD))
     monkeypatch.setattr(probe, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import plait.bench.colocate  # imported before the traps: it binds `launch` at import
 import plait.cluster
 import plait.cluster.launch  # the module (trapped below), not the function
 from plait import cli
@@ -82,8 +83,8 @@ BAD = [
     (["train", "--strategy", "bogus"], ["'bogus'", "choose from"]),
     (["train", "--workload", "alexnet"], ["'alexnet'", "choose from"]),
     # cluster flags
-    (["train", "--nproc-per-node", "0"], ["--nproc-per-node 0", ">= 1"]),
-    (["train", "--threads", "0"], ["--threads 0", ">= 1"]),
+    (["train", "--nproc-per-node", "0"], ["--nproc-per-node 0", "from 1 to"]),
+    (["train", "--threads", "0"], ["--threads 0", "from 1 to"]),
     (["train", "--nodes", "0"], ["--nodes 0", "1 to 250"]),
     (["train", "--nodes", "100000"], ["--nodes 100000", "1 to 250"]),
     (["train", "--bandwidth", "99999999999999gbit"], ["99999999999999gbit", "1kbit and 1tbit"]),
@@ -93,14 +94,14 @@ BAD = [
     (["train", "--latency", "soon"], ["'soon'", "5ms"]),
     (["train", "--loss", "150"], ["--loss 150", "[0, 100)"]),
     (["train", "--loss", "nan"], ["--loss nan", "[0, 100)"]),
-    (["train", "--timeout", "-1"], ["--timeout -1", "(0, inf)"]),
+    (["train", "--timeout", "-1"], ["--timeout -1", "from 1 to"]),
     # training flags
-    (["train", "--steps", "0"], ["--steps 0", ">= 1"]),
-    (["train", "--epochs", "-1"], ["--epochs -1", ">= 1"]),
-    (["train", "--batch-size", "0"], ["--batch-size 0", ">= 1"]),
-    (["train", "--accumulate", "0"], ["--accumulate 0", ">= 1"]),
-    (["train", "--lr", "-0.1"], ["--lr -0.1", "(0, inf)"]),
-    (["train", "--max-restarts", "-1"], ["--max-restarts -1", ">= 0"]),
+    (["train", "--steps", "0"], ["--steps 0", "from 1 to"]),
+    (["train", "--epochs", "-1"], ["--epochs -1", "from 1 to"]),
+    (["train", "--batch-size", "0"], ["--batch-size 0", "from 1 to"]),
+    (["train", "--accumulate", "0"], ["--accumulate 0", "from 1 to"]),
+    (["train", "--lr", "-0.1"], ["--lr -0.1", "from 1e-12 to"]),
+    (["train", "--max-restarts", "-1"], ["--max-restarts -1", "from 0 to"]),
     (["train", "--crossover", "../etc"], ["'../etc'", "letters"]),
     (["train", "--checkpoint", "{file}/ckpt"], ["--checkpoint", "not a directory"]),
     (["train", "--out", "{file}/x.json"], ["--out", "not a directory"]),
@@ -127,7 +128,7 @@ BAD = [
     (["bench", "--bandwidth", "slow,,fast"], ["'slow,,fast'", "empty"]),
     (["bench", "--bandwidth", "slow,warp9"], ["'warp9'"]),
     (["bench", "--steps", "0"], ["--steps 0"]),
-    (["bench", "--warmup", "-1"], ["--warmup -1", ">= 0"]),
+    (["bench", "--warmup", "-1"], ["--warmup -1", "from 0 to"]),
     (["bench", "--workload", "gpt", "--strategies", "plan:tp=3"], ["tp=3", "world size 4"]),
     (["bench", "--out", "{file}"], ["--out", "not a directory"]),
     # crossover run
@@ -175,6 +176,25 @@ BAD = [
     (["bench-fused", "--strategies", "fused,bogus"], ["'fused,bogus'", "serial"]),
     (["bench-fused", "--steps", "0"], ["--steps 0"]),
     (["bench-fused", "--device", "gpu"], ["'gpu'"]),
+    # numbers that used to pass the checks and fail later (or never end): one bounds table
+    (["train", "--out", "/proc/plait.json"], ["--out", "/proc", "cannot be created"]),
+    (["train", "--seed", "99999999999999999999999"], ["--seed", "9223372036854775807"]),
+    (["train", "--lr", "1e308"], ["--lr 1e+308", "expected a number"]),
+    (["train", "--momentum", "1e300"], ["--momentum 1e+300", "from 0 to 1"]),
+    (["train", "--batch-size", "1000000000"], ["--batch-size 1000000000", "from 1"]),
+    (["train", "--batch-size", "5000", "--nodes", "2"], ["10000 samples", "1438", "at most"]),
+    (["train", "--steps", "100000000000000000000000"], ["--steps", "10000000"]),
+    (["train", "--timeout", "1e308"], ["--timeout 1e+308"]),
+    (["train", "--timeout", "1e-9"], ["--timeout 1e-09"]),
+    (["train", "--nproc-per-node", "100000"], ["--nproc-per-node 100000", "256"]),
+    (["train", "--threads", "1000000"], ["--threads 1000000", "1024"]),
+    (["run", "--max-restarts", "99999999999", "--", "x.py"], ["--max-restarts", "100"]),
+    (["bench", "--warmup", "100000000000"], ["--warmup 100000000000"]),
+    (["sweep", "--trials", "100000000000000000000"], ["--trials", "1000000"]),
+    (["sweep", "--seed", "-5"], ["--seed -5", "from 0"]),
+    (["train", "--latency", "-5ms"], ["'-5ms'", "latency"]),
+    (["plan", "--memory", "-5GiB"], ["'-5GiB'", "size"]),
+    (["bench-fused", "--threads", "1,1000000"], ["--threads 1000000"]),
     # demo
     (["demo", "--nodes", "0"], ["--nodes 0"]),
     (["demo", "--out", "{file}/demo"], ["--out", "not a directory"]),
@@ -309,3 +329,24 @@ def test_the_command_line_prints_one_line(tmp_path: Path) -> None:
         "layer_ranks, min_compression_rate, rank, seed, warmup)"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_foreign_token_folder_is_refused_before_the_cluster(
+    nothing_built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Another user's (here: a link's) crossover token folder used to be found only by the
+    workers, after the namespaces existed."""
+    root, target = tmp_path / "tokens", tmp_path / "elsewhere"
+    root.mkdir()
+    target.mkdir(mode=0o700)
+    (root / f"plait-crossover-{os.getuid()}").symlink_to(target)
+    monkeypatch.setenv("PLAIT_TOKEN_DIR", str(root))
+    for argv in (
+        ["train", "--workload", "mlp", "--crossover", "g", "--nodes", "2"],
+        ["crossover", "run", "mlp/ssgd", "mlp/ssgd", "--nodes", "2"],
+    ):
+        line = _refused(argv, capsys)
+        assert "symbolic link" in line and "PLAIT_TOKEN_DIR" in line, line

@@ -213,3 +213,39 @@ def test_unstorable_state_is_refused_at_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"state\['obj'\] is a .*_Planted"):
         ck.save(1, shared={}, local={"obj": _Planted(tmp_path / "x")})
     assert ck.latest() is None
+
+
+def test_a_refused_newest_checkpoint_falls_back_to_the_older_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a crafted newest checkpoint whose manifest matches: only loading it shows the danger
+    ck = _two_checkpoints(tmp_path)
+    marker = tmp_path / f"pwned-{uuid.uuid4().hex}"
+    _plant(tmp_path / "step_00000008", "shared.pt", marker)
+    write_manifest(tmp_path / "step_00000008", step=8, world_size=1)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        newest = ck.load_newest()
+    assert newest is not None
+    path, shared, local = newest
+    assert path.name == "step_00000004" and shared["state"]["step"] == 4 and local is not None
+    assert not marker.exists()
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "step_00000008" in warned and "refused" in warned, warned
+
+
+def test_every_checkpoint_unreadable_refuses_to_start_from_step_0(tmp_path: Path) -> None:
+    """Starting afresh would let the first save delete the checkpoints (keep=2)."""
+    ck = _two_checkpoints(tmp_path)
+    for step in ("step_00000004", "step_00000008"):
+        with (tmp_path / step / "shared.pt").open("r+b") as f:
+            f.write(b"garbage!")
+    with pytest.raises(CheckpointError, match="refusing to start from step 0"):
+        ck.load_newest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000008"]
+
+
+def test_unfinished_saves_alone_start_from_step_0(tmp_path: Path) -> None:
+    ck = _two_checkpoints(tmp_path)
+    for step in ("step_00000004", "step_00000008"):
+        (tmp_path / step / "MANIFEST.json").unlink()  # killed before any save finished
+    assert ck.load_newest() is None

@@ -101,21 +101,22 @@ def _plan(rank: int, world: int, plan: str, mode: str) -> int:
 def _check(
     outcomes: list[Outcome], *, mode: str, name_peer: bool = True, plait_comm: bool = True
 ) -> None:
-    """Survivors raised in time; through plait.comm, with a CollectiveError naming the peer.
+    """Survivors raised in time a `plait.comm.CollectiveError` naming the peer.
 
-    `plait_comm` False: the failing collective is torch's own (DTensor's), which raises
-    gloo's error as is.
+    `plait_comm` False: the failing collective is torch's own (DTensor's), whose gloo
+    error plait turns into the class (it names the step, and the peer where gloo does).
     """
     world = len(outcomes)
     victim = outcomes[-1]
     assert victim.status == ("died" if mode == "kill" else "hung"), victim
     for o in outcomes[:-1]:
         assert o.status == "raised", f"rank {o.rank} {o.status} instead of raising: {o}"
+        # the class itself, so that `except CollectiveError` catches it
+        assert o.exception == "plait.comm.ops.CollectiveError", o.error
         if not plait_comm:
             assert "Timed out" in o.message or "Connection" in o.message, o.error
             assert o.elapsed_s is not None and o.elapsed_s < TIMEOUT_S + SLACK_S, o.elapsed_s
             continue
-        assert "CollectiveError" in o.message, o.error
         assert f"rank {o.rank} in the group" in o.message, o.message
         if name_peer:
             assert f"peer rank {world - 1}" in o.message, o.message

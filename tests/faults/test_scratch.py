@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -35,8 +36,9 @@ def test_scratch_dirs_are_removed_at_exit_unless_kept(how: str) -> None:
         assert not gone.exists()
         assert kept.is_dir()
         assert "kept" in done.stderr or done.returncode != 0
+        assert (kept / ".kept").is_file()  # the next command's sweep leaves it alone
     finally:
-        kept.rmdir()
+        shutil.rmtree(kept)
 
 
 def test_temp_dir_kept_only_on_error_when_asked() -> None:

@@ -227,3 +227,25 @@ def test_ctrl_c_of_co_located_jobs_stops_them_within_seconds(tmp_path: Path) -> 
             assert time.monotonic() - interrupted[0] < 15
         finally:
             _kill_everything(workers)
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 0.6, 1.0])
+def test_ctrl_c_in_the_first_instant_stops_the_command(delay_s: float, tmp_path: Path) -> None:
+    """A Ctrl-C while the command still imports torch used to be swallowed in about half
+    of the tries: the job then built its cluster and trained to the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait", "train", "--workload", "mlp", "--steps", "500",
+         "--nodes", "2", "--no-progress", "--out", str(tmp_path / "m.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(delay_s)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted" in err
+    assert "terminate called" not in err
+    assert not (tmp_path / "m.json").exists()

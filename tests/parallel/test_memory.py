@@ -75,3 +75,38 @@ def test_activations_scale_with_batch() -> None:
     large = measure_activations(gpt(), xs[0], ys[0], loss_fn)
     assert small.block > 0
     assert large.block == pytest.approx(small.block, rel=0.1)  # bytes per sample
+
+
+@pytest.mark.parametrize(
+    "text", ["pp=2", "pp=4", "dp=2,pp=2", "pp=2,schedule=interleaved", "dp=2,pp=2,zero=3"]
+)
+def test_blocks_of_unequal_size_are_counted_stage_by_stage(text: str) -> None:
+    """The bundled MLP's blocks differ in size: counting each as the largest made the
+    parameters outside the blocks negative (`plait plan --workload mlp --memory 1KiB`
+    printed -44.70 MiB per rank and "fits")."""
+    from plait.parallel.pipeline import stage_indices
+    from plait.workloads import get_workload
+
+    wl = get_workload("mlp")
+    data = wl.bench_data(16)
+    model = wl.model(data.info, bench=True)
+    adapter = adapter_for(model)
+    dims = adapter.dims(model)
+    assert dims.other_params >= 0 and len(set(dims.block_sizes)) > 1
+    blocks = [sum(p.numel() for p in model.get_submodule(b).parameters())
+              for b in adapter.blocks(model)]  # fmt: skip
+    plan = Plan.parse(text).validate(world=4, dims=dims)
+    x, y = (torch.stack([data.train[i][j] for i in range(16)]) for j in (0, 1))
+    est = estimate_memory(
+        plan, dims=dims, acts=measure_activations(model, x, y, wl.loss), global_batch=16
+    )
+    assert min(est.params, est.grads, est.optimizer, est.buffers, est.activations) >= 0
+    stages = plan.n_stages()
+    per_stage = [0] * stages
+    for i, n in enumerate(blocks):
+        per_stage[i * stages // len(blocks)] += n
+    held = max(sum(per_stage[j] for j in stage_indices(plan.schedule, plan.pp, r))
+               for r in range(plan.pp))  # fmt: skip
+    local = 4 * (held + dims.other_params)  # fp32 bytes of the most loaded rank's stages
+    expect = local / (plan.dp or 1) if plan.zero is ZeroStage.PARAMETERS else local
+    assert est.params == pytest.approx(expect)

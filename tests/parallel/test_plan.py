@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plait.parallel import Plan, Schedule, ZeroStage, adapter_for
 from tests.parallel.common import gpt
@@ -46,7 +47,24 @@ def test_validate_against_world_and_model() -> None:
         Plan(dp=3).validate(world=4)
     with pytest.raises(ValueError, match="does not divide heads=4"):
         Plan(tp=8).validate(world=8, dims=dims)
-    with pytest.raises(ValueError, match="need at least as many layers"):
+    with pytest.raises(ValueError, match="need at least as many blocks"):
         Plan(pp=4, schedule=Schedule.INTERLEAVED).validate(world=4, dims=dims)
     with pytest.raises(ValueError, match="cannot fill"):
         Plan(pp=4, microbatches=2).validate(world=4, dims=dims)
+
+
+def test_a_pipeline_of_a_model_without_blocks_names_the_model() -> None:
+    """It used to say "the model has 0" layers, without naming the model or the remedy."""
+    from torch import nn
+
+    from plait.parallel import adapter_for
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4))
+
+    model = Flat()
+    dims = adapter_for(model).dims(model)
+    with pytest.raises(ValueError, match=r"the model Flat has 0 .*register a ModelAdapter"):
+        Plan.parse("pp=2").validate(world=2, dims=dims)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,20 @@ def test_bad_factory_names_the_problem(tmp_path: Path, spec: str, needle: str) -
     (tmp_path / "toy_workload.py").write_text(_FACTORY)
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         get_workload(spec.format(dir=tmp_path))
+
+
+def test_a_module_factory_in_the_current_folder_resolves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`plait` runs from its script's folder: ./mywork.py used to be "does not import"."""
+    (tmp_path / "toy_cwd_mod.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert get_workload("toy_cwd_mod:make").name == "toy"
+
+
+def test_a_factory_that_raises_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "broken_workload.py"
+    path.write_text("def make():\n    raise KeyError('vocab')\n")
+    with pytest.raises(ValueError, match=r"broken_workload\.py:make' raised KeyError: 'vocab'"):
+        get_workload(f"{path}:make")

@@ -64,6 +64,7 @@ class BenchSpec:
     seed: int = 0
     trace: str | None = None
     probe: bool = True
+    real: bool = False  # the workload's training model and data instead of the benchmark's
 
     def __post_init__(self) -> None:
         get_workload(self.workload)
@@ -141,6 +142,12 @@ def _step(r: _Runner, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, phase: str
         r.optimizer.step()
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a CUDA step ends when its kernels do."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _round_batch(
     x_all: torch.Tensor, y_all: torch.Tensor, rnd: int, size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +168,7 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
     # 4 rounds of the global batch: strategies that shard more than the data (n-D plans)
     # give each data-parallel replica world x batch / replicas samples
     pool = 4 * batch * world
-    data = wl.bench_data(max(pool, 8))
+    data = wl.real() if spec.real else wl.bench_data(max(pool, 8))
     xs, ys = (t for t in zip(*[data.train[i] for i in range(pool)], strict=True))
     x_all, y_all = torch.stack(list(xs)), torch.stack(list(ys))
     device = pdist.device()
@@ -173,14 +180,15 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
     if spec.trace:
         tracer.enable()
     runners: list[_Runner] = []
-    n_params = sum(p.numel() for p in wl.model(data.info, bench=True).parameters())
+    bench = not spec.real
+    n_params = sum(p.numel() for p in wl.model(data.info, bench=bench).parameters())
     for s in spec.strategies:
         seed_everything(spec.seed)
         strategy = make_strategy(s)
         strategy.bind_data(
             (x_all[:batch].to(device), y_all[:batch].to(device)), global_batch=batch * world
         )
-        model = strategy.wrap(wl.model(data.info, bench=True).to(device))
+        model = strategy.wrap(wl.model(data.info, bench=bench).to(device))
         opt = strategy.build_optimizer(
             model, lambda params: torch.optim.SGD(params, lr=spec.lr, momentum=0.9)
         )
@@ -194,14 +202,17 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
         index, phase = turn.contestant
         r = runners[index]
         x, y = _round_batch(x_all, y_all, turn.round, r.local_batch, device)
+        _synchronize(device)
         pdist.barrier()
         if phase is StepKind.COMPUTE:
             with Stopwatch() as sw, r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
                 _step(r, x, y, wl.loss, phase=phase.value)
+                _synchronize(device)
             return StepSample(wall_s=sw.wall_s, cpu_s=sw.cpu_s)
         tx0 = _nic_tx_bytes()
         with comm_stats.window() as recs, Stopwatch() as sw:
             _step(r, x, y, wl.loss)
+            _synchronize(device)
         tx1 = _nic_tx_bytes()
         return StepSample(
             wall_s=sw.wall_s,
@@ -373,6 +384,8 @@ def bench_record(
         samples_per_s=world * batch / it.median,
         threads=torch.get_num_threads() if threads is None else threads,
         probe=probe,
+        link=os.environ.get("PLAIT_LINK") or None,
+        device=str(pdist.device()),
     )
 
 

@@ -55,6 +55,8 @@ class BenchRecord(Record):
     probe: dict[str, Any] | None = field(default=None, metadata=ABSENT_IF_NONE)
     latency: str | None = None
     loss: float | None = None
+    link: str | None = field(default=None, metadata=ABSENT_IF_NONE)  # tc, model or none
+    device: str | None = field(default=None, metadata=ABSENT_IF_NONE)  # rank 0's
 
 
 @dataclass(kw_only=True)

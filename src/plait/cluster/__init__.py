@@ -6,9 +6,11 @@ from plait.cluster.launch import LaunchResult, free_port, launch
 from plait.cluster.netns import (
     Cluster,
     ClusterError,
+    Link,
     has_net_admin,
     list_clusters,
     reap_dead,
+    tc_unavailable,
     teardown_all,
 )
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_rate, resolve_bandwidth
@@ -18,6 +20,7 @@ __all__ = [
     "Cluster",
     "ClusterError",
     "LaunchResult",
+    "Link",
     "NetworkSpec",
     "free_port",
     "has_net_admin",
@@ -26,5 +29,6 @@ __all__ = [
     "parse_rate",
     "reap_dead",
     "resolve_bandwidth",
+    "tc_unavailable",
     "teardown_all",
 ]

@@ -13,7 +13,14 @@ does not give on its own:
   2 nodes the race is usually won, at 4 it is lost);
 - in the loopback fallback (``PLAIT_LOOPBACK=1``) every TCPStore server the agent creates
   listens on 127.0.0.1 only: torch binds its stores to all interfaces whatever host it is
-  given, which on a machine without namespaces opens the job's rendezvous to the network.
+  given, which on a machine without namespaces opens the job's rendezvous to the network;
+- its workers' log folder is the one plait names (``PLAIT_TORCHRUN_LOG_DIR``, inside the
+  job's own log folder) instead of a fresh ``/tmp/torchelastic_*`` per node and job that
+  nobody removes;
+- when its workers all succeeded it says so at once (a file ``node{N}`` holding
+  ``SUCCEEDED`` in ``PLAIT_DONE_DIR``) before torchrun's exit barrier waits for the other
+  nodes, so the launcher can tell a node still running long after that from one that is
+  merely slower (`plait.cluster.launch.EXIT_GRACE_S`).
 """
 
 from __future__ import annotations
@@ -24,12 +31,18 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from plait._proc import PARENT_ENV, die_with_parent, die_with_parent_preexec
 from plait.cluster.netns import LOOPBACK_ENV
 
 logger = logging.getLogger(__name__)
+
+#: Folder torchrun writes its per-worker logs into (instead of a new /tmp/torchelastic_*).
+LOG_DIR_ENV = "PLAIT_TORCHRUN_LOG_DIR"
+#: Folder where a node's agent marks that its workers all finished.
+DONE_DIR_ENV = "PLAIT_DONE_DIR"
 
 
 class _WorkerPopen(subprocess.Popen):  # type: ignore[type-arg]
@@ -129,6 +142,58 @@ def _bind_stores_to_loopback() -> None:
             mod.TCPStore = store  # type: ignore[attr-defined]
 
 
+#: Prefix of the file a worker leaves in the done folder for an error a restart repeats.
+FATAL_PREFIX = "fatal-"
+
+
+def report_fatal(message: str) -> bool:
+    """From a worker: its error will repeat on every restart (a full disk, a refused
+    checkpoint, a bad setting); the launcher stops the job instead of restarting it.
+
+    Returns:
+        Whether the job runs under a plait launcher that reads it.
+    """
+    done = os.environ.get(DONE_DIR_ENV)
+    if not done:
+        return False
+    path = Path(done) / f"{FATAL_PREFIX}rank{os.environ.get('RANK', '0')}"
+    try:
+        path.write_text(message)
+    except OSError:
+        return False
+    return True
+
+
+def _mark_done_before_exit_barrier(done_dir: Path, node: str) -> bool:
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    except ImportError:
+        return False
+    original: Any = getattr(SimpleElasticAgent, "_exit_barrier", None)
+    if original is None:
+        return False
+
+    def exit_barrier(self: Any) -> Any:
+        # called only once the local workers succeeded (torchrun's _invoke_run)
+        tmp = done_dir / f".node{node}.tmp"
+        try:
+            tmp.write_text("SUCCEEDED")
+            tmp.replace(done_dir / f"node{node}")
+        except OSError as exc:
+            logger.warning("plait: cannot mark node %s done in %s: %s", node, done_dir, exc)
+        return original(self)
+
+    SimpleElasticAgent._exit_barrier = exit_barrier  # type: ignore[method-assign]
+    return True
+
+
+def with_log_dir(argv: list[str], log_dir: str | None) -> list[str]:
+    """`argv` with ``--log-dir=log_dir`` in front, unless it names a log folder itself."""
+    if not log_dir or any(a.split("=")[0] in ("--log-dir", "--log_dir") for a in argv):
+        return argv
+    return [f"--log-dir={log_dir}", *argv]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Set up the guarantees above, then run torchrun with `argv`."""
     parent = os.environ.get(PARENT_ENV)
@@ -143,9 +208,13 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("plait: torchrun's rendezvous changed; workers host their own store")
     if loopback:
         _bind_stores_to_loopback()
+    done = os.environ.get(DONE_DIR_ENV)
+    if done and not _mark_done_before_exit_barrier(Path(done), os.environ.get("PLAIT_NODE", "0")):
+        logger.warning("plait: torchrun's exit barrier changed; a hung node is found later")
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    torchrun_main(with_log_dir(list(args), os.environ.get(LOG_DIR_ENV)))
 
 
 if __name__ == "__main__":

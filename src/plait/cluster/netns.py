@@ -7,8 +7,12 @@ a link of the configured rate, exactly like a NIC. Names carry a random cluster 
 clusters (say a test and a benchmark) coexist; the addresses live inside the namespaces
 only, so their subnets never clash with the host's.
 
-Building namespaces needs root or CAP_NET_ADMIN. Without it a cluster falls back to
-loopback: all workers run on 127.0.0.1, unshaped, and the fallback is announced.
+Building namespaces needs root or CAP_NET_ADMIN, and a kernel that offers them with tc
+(gVisor's network stack, for one, does not). Without them a cluster falls back to
+loopback, all workers on 127.0.0.1, and a shaped network becomes a *modelled link*
+(`plait.comm.link`): plait's collectives take the time the alpha-beta model gives them on
+a link of the configured rate. The fallback is announced; ``link=`` (``--link``, or
+``PLAIT_LINK``) forces either way.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 
@@ -50,6 +55,26 @@ logger = logging.getLogger(__name__)
 
 class ClusterError(RuntimeError):
     """Raised when the emulated network cannot be built or changed."""
+
+
+class Link(StrEnum):
+    """How a cluster's links get their rate.
+
+    ``tc``: network namespaces joined by veth pairs shaped with tc (needs root or
+    CAP_NET_ADMIN and a kernel with namespaces and tc). ``model``: loopback, with plait's
+    collectives delayed to a modelled link's time (`plait.comm.link`). ``none``: loopback,
+    unshaped. ``auto`` (a request only): tc where it works, else a model when a rate,
+    delay or loss is asked for, else none.
+    """
+
+    AUTO = "auto"
+    TC = "tc"
+    MODEL = "model"
+    NONE = "none"
+
+
+#: The environment variable that chooses the link when no ``link=`` is given (``--link``).
+LINK_ENV = "PLAIT_LINK"
 
 
 def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -81,6 +106,7 @@ class Cluster:
         nodes: number of nodes (network namespaces).
         network: egress shaping of every node's link.
         emulated: True for namespaces; False for the loopback fallback.
+        link: tc on namespaces, a modelled link on loopback, or none (unshaped loopback).
         cid: random id that makes names and subnets unique to this cluster.
         persistent: outlives this process (`plait cluster up`); otherwise the cluster
             belongs to this process and `plait cluster down` leaves it alone while the
@@ -90,12 +116,18 @@ class Cluster:
     nodes: int
     network: NetworkSpec = field(default_factory=NetworkSpec)
     emulated: bool = True
+    link: Link = Link.TC
     cid: str = field(default_factory=lambda: secrets.token_hex(3))
     persistent: bool = False
     _up: bool = field(default=False, repr=False)
     _signals: contextlib.ExitStack | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.link = Link(self.link)
+        if self.link is Link.AUTO:
+            raise ValueError("a cluster's link is tc, model or none (auto is for create)")
+        if not self.emulated and self.link is Link.TC:
+            self.link = Link.NONE  # loopback built by hand: nothing shapes it
         if self.nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {self.nodes}")
         if self.nodes > 250:
@@ -143,18 +175,53 @@ class Cluster:
         network: NetworkSpec | None = None,
         quiet: bool = False,
         persistent: bool = False,
+        link: Link | str | None = None,
     ) -> Cluster:
-        """A cluster of `nodes` nodes, namespaces when allowed, else the loopback fallback."""
+        """A cluster of `nodes` nodes: namespaces shaped by tc where this machine allows
+        them, else loopback with a modelled link (or unshaped when nothing is shaped).
+
+        Args:
+            link: `Link` (or its name); None reads ``PLAIT_LINK``, else ``auto``.
+
+        Raises:
+            ValueError: an unknown link; ``tc`` where namespaces or tc are unavailable
+                (the reason named); loss on a modelled link (a model has no packets).
+        """
         network = network or NetworkSpec()
-        emulated = has_net_admin()
-        if not emulated and not quiet:
-            logger.warning(
-                "no CAP_NET_ADMIN (run as root to emulate a network): falling back to "
-                "loopback, %d node(s) on 127.0.0.1, UNSHAPED (%s ignored)",
-                nodes,
-                network.describe(),
+        want = Link(_link_name(link))
+        if want is Link.TC:
+            why = tc_unavailable()
+            if why:
+                raise ValueError(f"link tc: {why}; use --link model (or auto)")
+            chosen = Link.TC
+        elif want is Link.AUTO:
+            why = tc_unavailable()
+            chosen = Link.TC if not why else (Link.MODEL if network.shaped else Link.NONE)
+        else:
+            why = f"link {want} asked for"
+            chosen = Link.MODEL if want is Link.MODEL and network.shaped else Link.NONE
+        if chosen is Link.MODEL and network.loss:
+            raise ValueError(
+                f"--loss {network.loss}: a modelled link cannot lose packets ({why}); "
+                "drop --loss or run where namespaces and tc work (root, not gVisor)"
             )
-        return cls(nodes=nodes, network=network, emulated=emulated, persistent=persistent)
+        if not quiet and chosen is not Link.TC:
+            what = (
+                f"MODELLED link: plait's collectives take the time of {network.describe()} "
+                "under the alpha-beta model"
+                if chosen is Link.MODEL
+                else f"UNSHAPED ({network.describe()})"
+            )
+            logger.warning(
+                "no shaped namespaces (%s): %d node(s) on 127.0.0.1, %s", why, nodes, what
+            )
+        return cls(
+            nodes=nodes,
+            network=network,
+            emulated=chosen is Link.TC,
+            link=chosen,
+            persistent=persistent,
+        )
 
     def up(self) -> Cluster:
         """Build the namespaces and links (after removing clusters whose owner died).
@@ -299,6 +366,50 @@ class Cluster:
             (STATE_DIR / f"{self.cid}.json").write_text(json.dumps(state))
 
 
+def _link_name(link: Link | str | None) -> str:
+    name = (os.environ.get(LINK_ENV) or "auto") if link is None else str(link)
+    name = name.strip().lower()
+    if name not in {k.value for k in Link}:
+        raise ValueError(
+            f"link {name!r}: expected one of {', '.join(k.value for k in Link)} "
+            f"(from --link or {LINK_ENV})"
+        )
+    return name
+
+
+@functools.cache
+def tc_unavailable() -> str:
+    """Why this machine cannot build shaped namespaces ('' when it can).
+
+    Capabilities are not enough: gVisor, for one, grants root but has no veth pairs or
+    qdiscs. So a scratch namespace is built with a veth pair and a token bucket on it,
+    once per process, and removed.
+    """
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "the ip and tc commands are not installed"
+    if not has_net_admin():
+        return "no CAP_NET_ADMIN (run as root to shape links with tc)"
+    ns = f"{_PREFIX}probe{os.getpid()}"
+    made = _run(["ip", "netns", "add", ns], check=False)
+    if made.returncode != 0:
+        return f"cannot create a network namespace ({made.stderr.strip() or 'ip netns add'})"
+    try:
+        inside = ["ip", "netns", "exec", ns]
+        steps = (
+            ["ip", "link", "add", "plpa", "type", "veth", "peer", "name", "plpb"],
+            ["ip", "link", "set", "plpa", "up"],
+            ["tc", "qdisc", "add", "dev", "plpa", "root", "tbf", "rate", "100mbit",
+             "burst", str(_TBF_BURST_MIN), "latency", "400ms"],
+        )  # fmt: skip
+        for cmd in steps:
+            done = _run([*inside, *cmd], check=False)
+            if done.returncode != 0:
+                return f"`{' '.join(cmd)}` fails here ({done.stderr.strip() or 'no reason given'})"
+        return ""
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+
+
 @functools.cache
 def netem_available() -> bool:
     """Whether this kernel offers netem (delay, loss); tried in a scratch namespace."""
@@ -402,13 +513,19 @@ def list_clusters() -> list[dict[str, object]]:
         for link in _links():
             if link.startswith("plb") and len(link) == 9:
                 found.setdefault(link[3:], {"cid": link[3:], "leftover": True})
+    names = _namespaces() if found else []
     for state in found.values():
         pid, start = state.get("pid"), state.get("pid_start")
-        state["alive"] = isinstance(pid, int) and process_alive(
-            pid, start if isinstance(start, int) else None
-        )
-        ns_count = sum(1 for ns in _namespaces() if ns.startswith(f"{_PREFIX}{state['cid']}-"))
-        state["namespaces"] = ns_count
+        mine = [ns for ns in names if ns.startswith(f"{_PREFIX}{state['cid']}-")]
+        if state.get("leftover"):
+            # no state file here (another PLAIT_STATE_DIR, or a write that failed): its
+            # owner is unknown, so a process inside its namespaces means a job runs there
+            state["alive"] = any(namespace_pids(ns) for ns in mine)
+        else:
+            state["alive"] = isinstance(pid, int) and process_alive(
+                pid, start if isinstance(start, int) else None
+            )
+        state["namespaces"] = len(mine)
     return list(found.values())
 
 
@@ -416,7 +533,9 @@ def teardown_all(*, only_dead: bool = True) -> list[str]:
     """Remove plait clusters: leftovers and persistent ones, or all with ``only_dead=False``.
 
     A cluster whose owning process still runs is in use by a job; it is kept unless
-    `only_dead` is False.
+    `only_dead` is False. So is a leftover (namespaces without a state file) with processes
+    inside: its job's state may live in another state folder (`plait cluster down` once
+    removed such a cluster under a running job, which died 3.5 s later).
     """
     removed = []
     for state in list_clusters():

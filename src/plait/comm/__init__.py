@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from plait.comm.backends import check_collectives, unsupported
 from plait.comm.cost import AlphaBeta, CollectiveCosts
 from plait.comm.fusion import (
     FusionItem,
@@ -38,8 +39,10 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "bucket_sizes",
+    "check_collectives",
     "reduce_scatter",
     "stats",
+    "unsupported",
     "wait",
     "wire_bytes",
     "world_size",

@@ -10,12 +10,28 @@ planner and the automatic parallelism planner.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
 from plait.comm.stats import Collective, CollectiveRecord, latency_steps, wire_bytes
+
+
+class Algorithms(StrEnum):
+    """The algorithms a backend runs each collective with, as the model prices them.
+
+    ``ring``: the bandwidth-optimal ones NCCL uses for large messages (ring all-reduce,
+    all-gather and reduce-scatter, pipelined broadcast), as `plait.comm.stats` counts them.
+    ``gloo``: gloo's, where they differ: a binomial-tree broadcast (the root sends the whole
+    buffer once per tree level, ceil(log2 p) times in a row) and a reduce-scatter that is
+    an all-reduce of the whole buffer followed by a local slice (ProcessGroupGloo).
+    """
+
+    RING = "ring"
+    GLOO = "gloo"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +61,15 @@ class AlphaBeta:
             latency_steps(op, world) * self.alpha + wire_bytes(op, int(nbytes), world) * self.beta
         )
 
+    def time_as(self, algorithms: Algorithms, op: Collective, nbytes: float, world: int) -> float:
+        """Seconds for one collective run with `algorithms` (see `Algorithms`)."""
+        if algorithms is Algorithms.GLOO and world > 1:
+            if op is Collective.BROADCAST:
+                return math.ceil(math.log2(world)) * (self.alpha + nbytes * self.beta)
+            if op is Collective.REDUCE_SCATTER:
+                return self.time(Collective.ALL_REDUCE, nbytes, world)
+        return self.time(op, nbytes, world)
+
     def total(self, records: Iterable[CollectiveRecord]) -> float:
         """Seconds of the records run back to back: a lower bound on their communication."""
         return sum(self.time(r.op, r.nbytes, r.world) for r in records)
@@ -70,6 +95,17 @@ class AlphaBeta:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def wire_bytes_as(algorithms: Algorithms, op: Collective, nbytes: float, world: int) -> float:
+    """Bytes one worker sends for a collective run with `algorithms` (the root's, for
+    gloo's tree broadcast: once per tree level)."""
+    if algorithms is Algorithms.GLOO and world > 1:
+        if op is Collective.BROADCAST:
+            return math.ceil(math.log2(world)) * nbytes
+        if op is Collective.REDUCE_SCATTER:
+            return wire_bytes(Collective.ALL_REDUCE, int(nbytes), world)
+    return wire_bytes(op, int(nbytes), world)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,13 +17,16 @@ the lost peer, so every rank waiting on it raises instead of training on alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from plait.comm import link as _link
 from plait.comm.stats import Collective, stats
 from plait.trace import COMM, profiled, tracer
 
@@ -112,7 +115,17 @@ def collective_error(
         f"collective {name!r} ({op_name}) failed on rank {me} in the group of ranks "
         f"{list(ranks)} (size {len(ranks)}): {who} {what}; cause: {first}"
     )
-    return CollectiveError(message, collective=name, ranks=ranks, peer=peer)
+    err = CollectiveError(message, collective=name, ranks=ranks, peer=peer)
+    _RECENT[message] = err
+    while len(_RECENT) > _RECENT_MAX:
+        del _RECENT[next(iter(_RECENT))]
+    return err
+
+
+#: The last errors `collective_error` made, by message: a future carries an error as text
+#: only, and `wait` gives back the error itself (its collective, ranks and peer).
+_RECENT: dict[str, CollectiveError] = {}
+_RECENT_MAX = 64
 
 
 def wait(fut: torch.futures.Future[Any]) -> Any:
@@ -136,7 +149,53 @@ def _reraise(exc: RuntimeError) -> NoReturn:
     if at < 0:
         raise exc
     message = text[at + len(tag) :].split("\n\nAt:", maxsplit=1)[0].strip()
+    known = _RECENT.get(message)
+    if known is not None:
+        raise CollectiveError(
+            message, collective=known.collective, ranks=known.ranks, peer=known.peer
+        ) from exc
     raise CollectiveError(message) from exc
+
+
+#: Text of a transport's failure (gloo, NCCL, the TCP store) in a RuntimeError that torch's
+#: own collectives raise (DTensor's, pipelining's, DDP's internal broadcasts).
+_TRANSPORT = (
+    "gloo",
+    "nccl",
+    "connection closed by peer",
+    "connection reset by peer",
+    "timed out waiting",
+    "pair closure",
+    "broken pipe",
+    "socket timeout",
+)
+
+
+@contextlib.contextmanager
+def collective_errors(name: str, group: Group = None) -> Iterator[None]:
+    """Raise a collective failing inside the block as a `CollectiveError`, whoever issued it.
+
+    Collectives issued through this module already fail so; torch's own (DTensor's,
+    pipelining's, DDP's) raise a RuntimeError with the transport's text, and a hook's
+    failure comes back from DDP as a RuntimeError holding the `CollectiveError`'s text.
+    Both become the class here, so ``except CollectiveError`` catches every lost peer.
+    Other errors pass through unchanged.
+
+    Args:
+        name: what the block does (``"step"``), named in the error.
+        group: the group the block communicates in (None: the default group).
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        if "CollectiveError: " in str(exc):
+            _reraise(exc)
+        lowered = str(exc).lower()
+        if any(k in lowered for k in _TRANSPORT):
+            raise collective_error("torch collective", name, group, exc) from exc
+        raise
 
 
 # torch 2.13 renamed the flat-tensor collectives; keep both spellings working
@@ -165,9 +224,16 @@ def _issue(
     async_op: bool,
 ) -> torch.futures.Future[torch.Tensor]:
     """Count `op` on `tensor`'s bytes, run ``launch()`` (the async torch call), and return a
-    future of `out` that closes the trace span when the work finishes."""
+    future of `out` that closes the trace span when the work finishes.
+
+    Under a modelled link (`plait.comm.link`) the work is booked on the link first and its
+    future completes no earlier than the link's transfer would end.
+    """
     nbytes = tensor.numel() * tensor.element_size()
-    stats.add(op, nbytes, world_size(group))
+    world = world_size(group)
+    stats.add(op, nbytes, world)
+    link = _link.current()
+    ends_at = None if link is None else link.reserve(op, nbytes, world, issued_at=link.clock())
     start = tracer.now_us()
     try:
         with profiled(name):  # the span itself ends in `finish`, after the issue
@@ -181,6 +247,8 @@ def _issue(
         err = collective_error(op, name, group, exc)
         logger.debug("%s", err)
         raise err from exc
+    if link is not None and ends_at is not None:
+        fut = link.delay(fut, ends_at=ends_at, device=tensor.device)
 
     def finish(done: torch.futures.Future[Any]) -> torch.Tensor:
         tracer.add(name, COMM, start, tracer.now_us(), thread="comm", args={"bytes": nbytes})

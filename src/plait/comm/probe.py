@@ -2,6 +2,8 @@
 
 Run inside a distributed job (every rank calls it). Used by `plait cluster probe` and at
 the start of every benchmark job, so that each result carries the network it ran on.
+The all-reduces go through `plait.comm.ops` on the rank's device, so a modelled link
+(`plait.comm.link`) is probed as the job's collectives will meet it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait import distributed as pdist
+from plait.comm import ops
 from plait.comm.cost import AlphaBeta, CollectiveCosts
 from plait.comm.stats import Collective, wire_bytes
 
@@ -67,14 +71,17 @@ def probe_allreduce(
         raise ValueError("probing the network needs at least two workers")
     samples: list[tuple[Collective, int, int, float]] = []
     medians: list[float] = []
+    device = pdist.device()
     for nbytes in sizes:
-        buf = torch.ones(max(1, nbytes // 4))
-        dist.all_reduce(buf, group=group)  # connect and warm up
+        buf = torch.ones(max(1, nbytes // 4), device=device)
+        ops.all_reduce(buf, group=group, name="probe", async_op=False)  # connect, warm up
         times = []
         for _ in range(repeats):
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            ops.all_reduce(buf, group=group, name="probe", async_op=False)
+            if buf.is_cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         # the slowest rank defines the collective's time
         t = torch.tensor(times, dtype=torch.float64)
@@ -94,17 +101,18 @@ def probe_allreduce(
 
 def _issue(op: Collective, buf: torch.Tensor, world: int, group: Any) -> None:
     if op is Collective.ALL_REDUCE:
-        dist.all_reduce(buf, group=group)
+        ops.all_reduce(buf, group=group, name="probe", async_op=False)
     elif op is Collective.ALL_GATHER:
-        out = torch.empty(buf.numel() * world, dtype=buf.dtype)
-        dist.all_gather_into_tensor(out, buf, group=group)
+        ops.all_gather(buf, group=group, name="probe", async_op=False)
     elif op is Collective.REDUCE_SCATTER:
-        out = torch.empty(buf.numel() // world, dtype=buf.dtype)
-        dist.reduce_scatter_tensor(out, buf, group=group)
+        ops.reduce_scatter(buf, group=group, name="probe", async_op=False)
     elif op is Collective.BROADCAST:
-        dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        src = dist.get_global_rank(group, 0) if group else 0
+        ops.broadcast(buf, src=src, group=group, name="probe", async_op=False)
     else:
         raise ValueError(f"cannot probe {op}")
+    if buf.is_cuda:
+        torch.cuda.synchronize()
 
 
 def probe_collectives(
@@ -135,7 +143,7 @@ def probe_collectives(
             n = max(world, nbytes // 4 // world * world)  # divisible for reduce-scatter
             if op is Collective.ALL_GATHER:
                 n //= world
-            buf = torch.ones(n)
+            buf = torch.ones(n, device=pdist.device())
             _issue(op, buf, world, group)  # connect and warm up
             times = []
             for _ in range(repeats):

@@ -341,7 +341,7 @@ class FactorPipeline:
         for b in self._buckets:
             if b.future is None:
                 continue
-            b.future.wait()
+            ops.wait(b.future)
             assert self.running is not None
             dst = self.running if self.cfg.sync is FactorSync.LAZY else self._batch
             assert dst is not None

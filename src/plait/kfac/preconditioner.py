@@ -647,7 +647,7 @@ class KFAC:
         pend = self._pending.pop(key, None)
         if pend is not None:
             t0 = time.perf_counter()
-            pend.future.wait()
+            ops.wait(pend.future)
             self._inv_s += time.perf_counter() - t0  # an inversion done elsewhere
             s = self.pipeline.slot(key)
             self._second[key] = SecondOrder.from_wire(
@@ -710,11 +710,11 @@ class KFAC:
             fut = self._broadcast(buf, src, receivers, f"gradient {name}")
             entries.append((layer, buf, grad, fut))
         for fut in self._inflight:
-            fut.wait()
+            ops.wait(fut)
         self._inflight.clear()
         for *_, fut in entries:
             if fut is not None:
-                fut.wait()
+                ops.wait(fut)
         self._write([(layer, p, grad) for layer, p, grad, _ in entries], step)
         self.rule.rest(self._rest_params())
 

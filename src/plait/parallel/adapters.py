@@ -68,6 +68,9 @@ class ModelDims:
             as many as `heads`).
         where: the first block, named in errors (``"model.layers.0 (LlamaDecoderLayer)"``).
         no_sequence: why sequence parallelism cannot shard this model ("" if it can).
+        block_sizes: parameters of each block when they differ (a stack of layers of
+            several widths); empty when every block has `block_params`.
+        model: the model's class name, named in errors.
     """
 
     layers: int
@@ -81,11 +84,24 @@ class ModelDims:
     kv_heads: int = 0
     where: str = ""
     no_sequence: str = ""
+    block_sizes: tuple[int, ...] = ()
+    model: str = ""
 
     @property
     def other_params(self) -> int:
         """Parameters outside the blocks (embeddings, final norm, head)."""
-        return self.params - self.layers * self.block_params
+        in_blocks = sum(self.block_sizes) if self.block_sizes else self.layers * self.block_params
+        return max(0, self.params - in_blocks)
+
+    def stage_params(self, n_stages: int) -> list[int]:
+        """Block parameters of each of `n_stages` pipeline stages, split as
+        `plait.parallel.pipeline.split_units` splits the blocks (block i to stage
+        ``i * n_stages // layers``)."""
+        sizes = self.block_sizes or (self.block_params,) * self.layers
+        out = [0] * n_stages
+        for i, size in enumerate(sizes):
+            out[i * n_stages // len(sizes)] += size
+        return out
 
     def check_tensor_degree(self, tp: int, *, sequence: bool = False) -> None:
         """Raise ValueError unless `tp` divides every dimension tensor parallelism shards."""
@@ -125,7 +141,10 @@ class ModelAdapter:
 
     def dims(self, model: nn.Module) -> ModelDims:
         n = _count(model)
-        return ModelDims(layers=0, hidden=0, heads=0, ffn=0, params=n, block_params=0)
+        return ModelDims(
+            layers=0, hidden=0, heads=0, ffn=0, params=n, block_params=0,
+            model=type(model).__name__,
+        )  # fmt: skip
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Qualified names of the repeated blocks, in forward order."""
@@ -434,6 +453,8 @@ class SequentialAdapter(ModelAdapter):
                 ffn=0,
                 params=_count(model),
                 block_params=max((_count(b) for b in blocks), default=0),
+                block_sizes=tuple(_count(b) for b in blocks),
+                model=type(model).__name__,
             )
         first = layers[0][1]
         return ModelDims(

@@ -313,18 +313,19 @@ class ParallelModel(nn.Module):
         loss before backward (1 / accumulation steps). Every rank returns the same value.
         """
         self._loss.scale = scale
-        if self.schedule is not None:
-            losses: list[torch.Tensor] = []
-            args = (x,) if self.has_first_stage else ()
-            self.schedule.step(*args, target=y, losses=losses)
-            local = torch.stack(losses).mean().detach() / scale if self.has_last_stage else None
-        else:
-            loss = self.loss_fn(self.parts[0](x), y)
-            (loss * scale).backward()
-            local = loss.detach()
-        if self.grad_sync is not None:
-            self.grad_sync.sync()
-        return self._global_mean(local)
+        with ops.collective_errors("step"):  # DTensor's and pipelining's collectives too
+            if self.schedule is not None:
+                losses: list[torch.Tensor] = []
+                args = (x,) if self.has_first_stage else ()
+                self.schedule.step(*args, target=y, losses=losses)
+                local = torch.stack(losses).mean().detach() / scale if self.has_last_stage else None
+            else:
+                loss = self.loss_fn(self.parts[0](x), y)
+                (loss * scale).backward()
+                local = loss.detach()
+            if self.grad_sync is not None:
+                self.grad_sync.sync()
+            return self._global_mean(local)
 
     def _global_mean(self, local: torch.Tensor | None) -> torch.Tensor:
         """Mean over data-parallel replicas of the loss held by last pipeline stages."""

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from plait.parallel.pipeline import stage_indices
 from plait.parallel.plan import Plan, Schedule, ZeroStage
 from plait.units import parse_size
 
@@ -190,7 +191,15 @@ def estimate_memory(
     blocks_local = min(blocks_local, dims.layers)
     block_bytes = dims.block_params * s / tp
     other_bytes = dims.other_params * s  # embeddings/head: replicated over tp; one stage each
-    local = blocks_local * block_bytes + other_bytes
+    if dims.layers:
+        # the most loaded rank's stages, block by block (blocks may differ in size)
+        per_stage = dims.stage_params(stages)
+        held = max(
+            sum(per_stage[j] for j in stage_indices(plan.schedule, pp, r)) for r in range(pp)
+        )
+        local = held * s / tp + other_bytes
+    else:
+        local = other_bytes
     shard = local / dp
     zero = plan.zero
     offloaded = plan.offload and not offload_counts

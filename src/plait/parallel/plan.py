@@ -177,10 +177,17 @@ class Plan:
         if dims is not None:
             dims.check_tensor_degree(self.tp, sequence=self.sp)
             if self.pp > 1 and self.n_stages() > dims.layers:
+                model = f"the model {dims.model}" if dims.model else "the model"
+                why = (
+                    " (no stack of repeated blocks plait can split: register a ModelAdapter "
+                    "for it, plait.parallel.register_adapter)"
+                    if dims.layers == 0
+                    else ""
+                )
                 raise ValueError(
                     f"plan: {self.n_stages()} pipeline stages ({self.pp} ranks x "
                     f"{self.schedule.stages_per_rank} for {self.schedule.value}) need at least "
-                    f"as many layers, the model has {dims.layers}"
+                    f"as many blocks, {model} has {dims.layers}{why}"
                 )
         return self.resolved(world)
 

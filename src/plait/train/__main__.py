@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 from plait import distributed as pdist
+from plait.cluster.agent import report_fatal
 from plait.log import configure
+from plait.persist import CheckpointError
 from plait.train.loop import TrainConfig, train
 
 
@@ -29,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(parser.parse_args(args))
     try:
         train(cfg)
+    except (CheckpointError, ValueError) as exc:
+        # a full disk, a refused checkpoint or a bad setting fails every restart alike:
+        # tell the launcher not to spend the restarts on it
+        report_fatal(f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         pdist.shutdown()
     return 0

@@ -96,5 +96,5 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The `TrainConfig` the parsed flags describe (validated by its constructor)."""
     names = {f.name for f in fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
-    values["progress"] = not args.no_progress
+    values["progress"] = not args.no_progress and not getattr(args, "quiet", False)
     return TrainConfig(**values)

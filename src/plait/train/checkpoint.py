@@ -119,15 +119,78 @@ class Checkpointer:
         return [(s, p) for s, p in self._steps() if (p / MANIFEST).is_file()]
 
     def _latest_here(self) -> Path | None:
+        good, _ = self._verified_here()
+        return self.root / good[0] if good else None
+
+    def _verified_here(self) -> tuple[list[str], list[str]]:
+        """Complete checkpoints that verify (newest first), and why the others do not.
+
+        A folder without a manifest (a save that did not finish) is neither.
+        """
+        good: list[str] = []
+        bad: list[str] = []
         for step, path in reversed(self._steps()):
+            if not (path / MANIFEST).is_file():
+                logger.warning(
+                    "skipping checkpoint %s: no %s (its save did not finish); trying an older one",
+                    path,
+                    MANIFEST,
+                )
+                continue
             try:
                 manifest = read_manifest(path)
                 if int(manifest["step"]) != step:
                     raise CheckpointError(f"{path.name}'s manifest is for step {manifest['step']}")
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s; trying an older one", path, exc)
+                bad.append(str(exc))
                 continue
-            return path
+            good.append(path.name)
+        return good, bad
+
+    def load_newest(self) -> tuple[Path, dict[str, Any], dict[str, Any] | None] | None:
+        """Collective: load the newest checkpoint every rank can read and trust.
+
+        Newest first, a checkpoint that fails its manifest on rank 0, or that any rank
+        cannot load (`UnsafeCheckpointError`, an unreadable file), is skipped with a
+        warning for the next older one, on every rank alike.
+
+        Returns:
+            The checkpoint's path, its shared state and this rank's local state (see
+            `load`), or None when the folder holds no complete checkpoint.
+
+        Raises:
+            CheckpointError: complete checkpoints exist but none can be loaded. Starting
+                from step 0 instead would let the first save delete them.
+        """
+        found: list[Any] = [None]
+        if pdist.is_main():
+            found[0] = self._verified_here()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(found, src=0)
+        good, bad = found[0]
+        for name in good:
+            path = self.root / name
+            error: BaseException | None = None
+            loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+            try:
+                loaded = self.load(path)
+            except CheckpointError as exc:
+                error = exc
+            try:
+                _agree(error, f"loading {path}")
+            except CheckpointError as exc:
+                logger.warning("checkpoint %s refused (%s); trying an older one", path, exc)
+                bad.append(str(exc))
+                continue
+            assert loaded is not None
+            return path, loaded[0], loaded[1]
+        if bad:
+            raise CheckpointError(
+                f"no checkpoint in {self.root} can be resumed ({'; '.join(bad)}); refusing "
+                "to start from step 0, whose first save would delete them: move them away "
+                "to start afresh"
+            )
         return None
 
     def latest(self) -> Path | None:

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
+from plait.comm.ops import collective_errors
 from plait.crossover.scheduler import Crossover, attach
 from plait.log import summary_writer
 from plait.specs import OptionValue, parse_spec
@@ -349,10 +350,10 @@ class Trainer:
     def maybe_resume(self) -> bool:
         if self.ckpt is None:
             return False
-        path = self.ckpt.latest()
-        if path is None:
+        newest = self.ckpt.load_newest()  # older ones when the newest is refused
+        if newest is None:
             return False
-        shared, local = self.ckpt.load(path)
+        path, shared, local = newest
         if has_sharded(path):
             sharded = self.strategy.checkpoint_state(self.model, self.optimizer)
             if sharded is None:
@@ -581,12 +582,15 @@ def _progress(total: int, initial: int, *, enabled: bool) -> Any:
         return None
     from tqdm import tqdm
 
+    # on stderr, beside the logs, and only on a terminal: a redirected output gets the
+    # epoch lines, not a bar's carriage returns
     return tqdm(
         total=total,
         initial=initial,
         desc="train",
         unit="step",
-        file=sys.stdout,
+        file=sys.stderr,
+        disable=None,
         dynamic_ncols=True,
         mininterval=0.5,
     )
@@ -595,9 +599,11 @@ def _progress(total: int, initial: int, *, enabled: bool) -> Any:
 def train(config: TrainConfig) -> dict[str, Any]:
     """Initialise distributed (if launched so), train, and return the summary."""
     pdist.init_distributed()
-    trainer = Trainer(config)
-    try:
-        trainer.run()
-        return trainer.summary()
-    finally:
-        trainer.close()
+    # a lost peer ends the run as a CollectiveError, whichever collective saw it first
+    with collective_errors("training"):
+        trainer = Trainer(config)
+        try:
+            trainer.run()
+            return trainer.summary()
+        finally:
+            trainer.close()

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait import distributed as pdist
+from plait.comm import Collective
 from plait.specs import parse_spec
 from plait.workloads import Batch
 
@@ -61,6 +62,12 @@ class Strategy(ABC):
     def check(self, model: nn.Module, *, world: int) -> None:  # noqa: B027
         """Raise ValueError if the strategy cannot run `model` on `world` ranks (called
         before launching, so a bad configuration fails at once instead of in the job)."""
+
+    def collectives(self) -> frozenset[Collective]:
+        """The collective kinds the strategy issues (checked against the backend before
+        launch: ranks sharing a GPU talk through gloo, which runs some only on the CPU).
+        By default DDP's: all-reduce, and broadcast and all-gather at wrap time."""
+        return frozenset({Collective.ALL_REDUCE, Collective.BROADCAST, Collective.ALL_GATHER})
 
     def bind_data(self, sample: Batch, *, global_batch: int) -> None:  # noqa: B027
         """Called before `wrap` with one per-worker batch and the samples per step in all."""

@@ -43,7 +43,13 @@ def load_factory(spec: str) -> Workload:
     factory = getattr(module, attr, None)
     if factory is None:
         raise ValueError(f"workload factory {spec!r}: {target!r} has no attribute {attr!r}")
-    workload = factory() if callable(factory) and not isinstance(factory, Workload) else factory
+    if callable(factory) and not isinstance(factory, Workload):
+        try:
+            workload = factory()
+        except Exception as e:
+            raise ValueError(f"workload factory {spec!r} raised {type(e).__name__}: {e}") from e
+    else:
+        workload = factory
     if not isinstance(workload, Workload):
         raise ValueError(
             f"workload factory {spec!r} returned {type(workload).__name__}, not a "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import optuna
@@ -27,7 +28,7 @@ def small_task(**space: object) -> SweepTask:
     return sweep_task("digits-mlp", SearchSpace(widths=(16,), **space))  # type: ignore[arg-type]
 
 
-def test_sweep_persists_and_continues(tmp_path: Path) -> None:
+def test_sweep_persists_and_continues(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     storage = f"sqlite:///{tmp_path / 'sweeps.db'}"
     cfg = SweepConfig(trials=5, epochs=2, storage=storage, study="s", max_models=4,
                       pruner=PrunerKind.NONE, progress=False)  # fmt: skip
@@ -42,6 +43,12 @@ def test_sweep_persists_and_continues(tmp_path: Path) -> None:
 
     more = run_sweep(small_task(), SweepConfig(**{**cfg.__dict__, "trials": 7}))
     assert [r.number for r in more.records] == [5, 6]  # the study continues where it was
+    # asking for no more trials than it holds runs nothing, and says so (it used to print
+    # "0 trials" without a word)
+    with caplog.at_level(logging.WARNING, logger="plait.fused.sweep.runner"):
+        same = run_sweep(small_task(), SweepConfig(**{**cfg.__dict__, "trials": 7}))
+    assert same.records == []
+    assert "already holds 7 trial(s)" in caplog.text and "--restart" in caplog.text
 
     paths = write_reports(result, cfg, "digits-mlp", tmp_path / "out")
     assert paths["png"].stat().st_size > 0

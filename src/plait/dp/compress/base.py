@@ -14,12 +14,18 @@ step, and a resumed run starts from the first layout again, so only per-paramete
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
+
+from plait.comm.ops import wait
+from plait.comm.stats import Collective
+from plait.distributed import retain_group
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -34,23 +40,56 @@ class Compressor(ABC):
     name: ClassVar[str] = ""
     #: Whether the compressor needs all gradients in one DDP bucket (see torch-powersgd).
     single_bucket: ClassVar[bool] = False
+    #: The collective kinds its hook issues.
+    collectives: ClassVar[frozenset[Collective]] = frozenset({Collective.ALL_REDUCE})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.name:
             _REGISTRY[cls.name] = cls
         hook = cls.__dict__.get("hook")
-        if hook is not None:
-            # DDP compares annotations with the real types; postponed (string) annotations
-            # would fail its check, so store the objects.
+        if hook is not None and not getattr(hook, "__isabstractmethod__", False):
+            # DDP compares annotations with the real types (of the signature, which
+            # follows the wrapper to `hook`); postponed (string) annotations would fail
+            # its check, so store the objects.
             hook.__annotations__ = {
                 "bucket": GradBucket,
                 "return": torch.futures.Future[torch.Tensor],
             }
+            guarded = _guarded(hook)
+            guarded.__annotations__ = dict(hook.__annotations__)
+            cls.hook = guarded  # type: ignore[method-assign]
 
     def __init__(self, *, group: Any = None) -> None:
         self.group = group
         self._names: dict[int, str] = {}
+        #: this backward pass's bucket futures, checked when backward ends (`_watch`)
+        self._bucket_futures: list[torch.futures.Future[torch.Tensor]] = []
+        self._group_retained = False
+
+    def _watch(self, fut: torch.futures.Future[torch.Tensor]) -> None:
+        """Check `fut` when the backward pass that issued it ends.
+
+        DDP re-raises a failed hook future as a RuntimeError whose text holds the
+        `CollectiveError`, so ``except CollectiveError`` would catch nothing. A callback
+        queued on the autograd engine runs before DDP's own end-of-backward callback, and
+        an exception it raises reaches ``loss.backward()`` with its Python class; it waits
+        on every bucket of the pass and raises the first failure as a `CollectiveError`.
+        """
+        if not self._group_retained:
+            retain_group(self.group)  # see `retain_group`: no hang at interpreter exit
+            self._group_retained = True
+        if not self._bucket_futures:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._check_pending)
+            except RuntimeError:  # called outside a backward pass (a direct call, a test)
+                return
+        self._bucket_futures.append(fut)
+
+    def _check_pending(self) -> None:
+        pending, self._bucket_futures = self._bucket_futures, []
+        for fut in pending:
+            wait(fut)  # a failed bucket raises its CollectiveError here
 
     @abstractmethod
     def hook(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -99,6 +138,18 @@ class Compressor(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional for stateless compressors
         """Stop threads; called when training ends."""
+
+
+def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` whose futures are checked at the end of backward (`Compressor._watch`)."""
+
+    @functools.wraps(hook)
+    def guarded(self: Compressor, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fut: torch.futures.Future[torch.Tensor] = hook(self, bucket)
+        self._watch(fut)
+        return fut
+
+    return guarded
 
 
 def compressor_class(name: str) -> type[Compressor]:

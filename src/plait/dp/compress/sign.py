@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_gather, wait, world_size
+from plait.comm import Collective, all_gather, wait, world_size
 from plait.dp.compress.feedback import ErrorFeedbackCompressor
 from plait.trace import COMPRESS, span, tracer
 
@@ -39,6 +39,7 @@ class SignSGD(ErrorFeedbackCompressor):
     """Scaled-sign compression with error feedback, all-gathered; see the module docstring."""
 
     name = "signsgd"
+    collectives = frozenset({Collective.ALL_GATHER})
 
     def payload_nbytes(self, name: str, param: torch.Tensor) -> float:
         return param.numel() / 8.0 + 4.0

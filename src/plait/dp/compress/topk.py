@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import GradBucket
 
-from plait.comm import all_gather, wait, world_size
+from plait.comm import Collective, all_gather, wait, world_size
 from plait.dp.compress.base import check_positive
 from plait.dp.compress.feedback import ErrorFeedbackCompressor
 from plait.trace import COMPRESS, span, tracer
@@ -29,6 +29,7 @@ class TopK(ErrorFeedbackCompressor):
     """
 
     name = "topk"
+    collectives = frozenset({Collective.ALL_GATHER})
 
     def __init__(self, *, group: Any = None, ratio: float = 0.01) -> None:
         super().__init__(group=group)

@@ -683,6 +683,16 @@ def run_sweep(
     study = _open_study(name, storage, cfg)
     log.info("sweep %r in %s", name, mask_url(storage))
     recover_interrupted(study)
+    already = _counted(study)
+    if already >= cfg.trials:
+        log.warning(
+            "study %r already holds %d trial(s), all that %d asks for: nothing to run; "
+            "ask for more trials to continue it, delete it to start afresh (plait sweep "
+            "--restart), or name another study",
+            name,
+            already,
+            cfg.trials,
+        )
     data = _Data(task, cfg.device)
     result = SweepResult(study=name, storage=mask_url(storage))
     capacities: dict[Any, int] = {}

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from plait.comm import Collective
 from plait.dp.api import compressor_of, data_parallel
 from plait.dp.compress import compressor_class, compressor_names
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
@@ -62,6 +63,9 @@ class DataParallel(Strategy):
         self.options = options
         self._model: nn.Module | None = None
         self._pending_state: dict[str, Any] | None = None
+
+    def collectives(self) -> frozenset[Collective]:
+        return super().collectives() | compressor_class(self.compression).collectives
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ddp = data_parallel(

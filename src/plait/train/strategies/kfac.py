@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.comm import Collective
 from plait.dp import compressor_class, compressor_of, data_parallel
 from plait.kfac.config import KFACConfig
 from plait.kfac.pipeline import FactorComm, FactorSync
@@ -152,6 +153,11 @@ class KFACStrategy(Strategy):
             check_model(model, self.config)
         except ValueError as exc:
             raise ValueError(f"strategy {self.name!r}: {exc}") from None
+
+    def collectives(self) -> frozenset[Collective]:
+        """DDP's and the compressor's, plus factor all-reduces and inverse broadcasts."""
+        comp = compressor_class(self.compression).collectives
+        return super().collectives() | comp | {Collective.ALL_REDUCE, Collective.BROADCAST}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         wrapped: nn.Module = model

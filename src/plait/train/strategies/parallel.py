@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait.comm import Collective
 from plait.parallel.plan import Plan, ZeroStage
 from plait.train.strategy import LossFn, OptimizerFactory, Strategy, register_strategy
 from plait.workloads import Batch
@@ -62,6 +63,17 @@ class PlanStrategy(Strategy):
 
         if self.plan is not None:
             self.plan.validate(world=world, dims=adapter_for(model).dims(model))
+
+    def collectives(self) -> frozenset[Collective]:
+        """The plan's: tensor parallelism and ZeRO gather and scatter, pipeline stages send
+        and receive; an automatic plan may choose any of them."""
+        out = set(super().collectives())
+        plan = self.plan
+        if plan is None or plan.tp > 1 or plan.zero > ZeroStage.NONE:
+            out |= {Collective.ALL_GATHER, Collective.REDUCE_SCATTER}
+        if plan is None or plan.pp > 1:
+            out.add(Collective.SEND)
+        return frozenset(out)
 
     def bind_data(self, sample: Batch, *, global_batch: int) -> None:
         self._sample = sample
