@@ -415,8 +415,10 @@ def test_replanned_placement_is_the_same_on_every_rank_and_moves_state_exactly()
     """Placement re-planned at each change of the decided interval (mem-opt -> hybrid ->
     comm-opt -> mem-opt on 4 workers): every rank holds the same assignment after each
     step, and SOAP's moments, which live where a layer is preconditioned, follow the
-    layers to their new workers: the gradients equal one process's to rounding (float64;
-    a moment left behind is O(1))."""
+    layers to their new workers: the gradients equal one process's to the module's 1e-5
+    (float64; the shards' sums round differently and Adam's ``m / (sqrt(v) + eps)``
+    amplifies that where ``v`` is small: 1e-8 measured after 8 steps; a moment left behind
+    or zeroed is O(1))."""
     single = _replanned(0, 1)[1]
     per_rank = run_distributed(_replanned, world_size=4, timeout_s=300)
     layouts = [r[0] for r in per_rank]
@@ -427,4 +429,4 @@ def test_replanned_placement_is_the_same_on_every_rank_and_moves_state_exactly()
     for _, grads in per_rank:
         errors = [_rel(g, w) for gs, ws in zip(grads, single, strict=True)
                   for g, w in zip(gs, ws, strict=True)]  # fmt: skip
-        assert max(errors) < 1e-9
+        assert max(errors) < 1e-5
