@@ -405,29 +405,36 @@ def test_kfac_decides_after_the_probe_from_measured_costs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Priced as free, inversions that take 50 ms each (0.2 s a round) stretch the interval
-    to its bound (10: a 80 ms base step would be needed to stop short of it on a loaded
-    host); a 100 ms forward makes the same inversions cheap enough for every step (no loss
-    given: the cost budget decides). The costs given (free inversions) are what the first decision
-    would use without measuring."""
+    to its bound (10) beside a 10 ms step; a 100 ms forward with instant inversions keeps
+    them every step (no loss given: the cost budget decides). The costs given (free
+    inversions) are what the first decision would use without measuring. A simulated
+    clock (only the forwards and decompositions advance it) keeps the host's load out:
+    with real sleeps, a loaded host's inversions of this tiny model took a third of a
+    100 ms step and the second case stretched to 3."""
     import time
 
     from plait.kfac import preconditioner
 
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     torch.manual_seed(0)
     free = KFACCosts(link=AlphaBeta.from_rate(1e9), inverse_s_per_n3=1e-30, flop_s=1e-30)
     cfg = KFACConfig(inv_interval="auto", auto_max_interval=10, probe=False)
     decompose = preconditioner.decompose
 
     def slow_decompose(*args: object, **kw: object) -> object:
-        time.sleep(0.05)
+        clock[0] += 0.05
         return decompose(*args, **kw)  # type: ignore[arg-type]
 
-    for slow_inverse, slow_forward, expect in ((True, 0.0, 10), (False, 0.1, 1)):
+    def advance(seconds: float) -> None:
+        clock[0] += seconds
+
+    for slow_inverse, forward_s, expect in ((True, 0.01, 10), (False, 0.1, 1)):
         with monkeypatch.context() as m:
             if slow_inverse:
                 m.setattr(preconditioner, "decompose", slow_decompose)
             model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-            model[1].register_forward_hook(lambda *_, s=slow_forward: time.sleep(s))
+            model[1].register_forward_hook(lambda *_, s=forward_s: advance(s))
             kfac = KFAC(model, cfg, costs=free)
             _train(kfac, model, FIRST)
         assert kfac.intervals == Intervals(1, expect)
