@@ -42,11 +42,13 @@ def train_both(
     steps: int = 10,
     lrs: tuple[float, ...] = (0.05, 0.1, 0.02, 0.08),
     train_mode: bool = True,
+    ignore: tuple[str, ...] = (),
 ) -> float:
     """Train `b` models for `steps` SGD steps both ways; the largest relative difference.
 
     Every model gets its own inputs and its own learning rate, and the comparison covers
-    every parameter and buffer and the final outputs.
+    every parameter and buffer (but those whose names end with one of `ignore`) and the
+    final outputs.
     """
     stock = build(factory, b)
     array = plait.fuse(build(factory, b))
@@ -75,6 +77,8 @@ def train_both(
     fused_state = array.to_models()
     for i, m in enumerate(stock):
         for k, v in m.state_dict().items():
+            if k.endswith(ignore):
+                continue
             err = max(err, rel_err(fused_state[i][k].to(v.dtype), v) if v.is_floating_point()
                       else float((fused_state[i][k] != v).any()))  # fmt: skip
     x = make_input(b)

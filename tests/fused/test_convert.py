@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
-from plait.fused import FusedArray, StructureMismatchError, UnsupportedLayerError, VmapArray
+from plait.fused import (
+    CapturedArray,
+    FusedArray,
+    StructureMismatchError,
+    UnsupportedLayerError,
+    VmapArray,
+)
 from plait.models import GPT, GPTConfig, ResNet18
 from plait.models.small import DigitsCNN, TransformerClassifier
 from tests.fused.helpers import RTOL, build, rel_err, train_both
@@ -50,12 +56,13 @@ def test_digits_cnn_trains_like_stock() -> None:
 def test_resnet18_gradients_as_accurate_as_stock() -> None:
     # A width-2 ResNet-18 on 4 samples normalises late stages over a handful of values,
     # so batch norm's backward cancels heavily: stock fp32 gradients themselves differ
-    # from fp64 by ~1e-5, and by up to ~5x more when the same stock model runs
-    # channels-last (as fused convolutions do when asked to). The fair test compares the
-    # fp32 versions with fp64: the fused error stays within 2x of stock's in either layout.
+    # from fp64 by ~1e-5. The fair test compares the fp32 versions with fp64: the fused
+    # error stays within 2x of stock's. (Stock channels-last is no reference here: on an
+    # AVX2 CPU, oneDNN's 1x1 stride-2 NHWC weight gradient with fewer input channels than
+    # its block of 8, as in this model's shortcuts, writes past its workspace (oneDNN
+    # issue 6035): heap corruption on one thread here with torch 2.13, and by that
+    # report wrong gradients or a hang on more.)
     stock = build(lambda: ResNet18(in_channels=1, width=2), 2)
-    stock_nhwc = [m.to(memory_format=torch.channels_last)
-                  for m in build(lambda: ResNet18(in_channels=1, width=2), 2)]  # fmt: skip
     exact = [m.double() for m in build(lambda: ResNet18(in_channels=1, width=2), 2)]
     array = plait.fuse(build(lambda: ResNet18(in_channels=1, width=2), 2))
     x, t = torch.randn(2, 4, 1, 16, 16), torch.randn(2, 4, 10)
@@ -65,14 +72,11 @@ def test_resnet18_gradients_as_accurate_as_stock() -> None:
     for b in range(2):
         assert rel_err(out[b], stock[b](x[b])) <= RTOL
         ((stock[b](x[b]) - t[b]) ** 2).mean().backward()
-        nhwc = x[b].contiguous(memory_format=torch.channels_last)
-        ((stock_nhwc[b](nhwc) - t[b]) ** 2).mean().backward()
         ((exact[b](x[b].double()) - t[b].double()) ** 2).mean().backward()
         for name, p in array.named_parameters():
             ref = exact[b].get_parameter(name).grad
             fused_err = max(fused_err, rel_err(p.grad[b], ref))
-            for m in (stock[b], stock_nhwc[b]):
-                stock_err = max(stock_err, rel_err(m.get_parameter(name).grad, ref))
+            stock_err = max(stock_err, rel_err(stock[b].get_parameter(name).grad, ref))
     assert fused_err <= max(2 * stock_err, RTOL)
 
 
@@ -100,18 +104,20 @@ class WithLSTM(nn.Module):
 
 
 def test_unsupported_layer_is_named_and_vmap_fallback_works() -> None:
+    # torch.fx names the layer as the array is built ...
     with pytest.raises(UnsupportedLayerError, match=r"layer 'rnn' \(torch.nn.modules.rnn.LSTM\)"):
-        plait.fuse(WithLSTM, n=2)
-    factory = lambda: nn.Sequential(nn.Linear(3, 4), nn.PReLU(4))  # noqa: E731
-    with pytest.raises(UnsupportedLayerError, match="PReLU"):
-        plait.fuse(factory, n=2)
-    stock = build(factory, 2)
-    array = plait.fuse(build(factory, 2), fallback="vmap")
-    assert isinstance(array, VmapArray)
-    x = torch.randn(2, 5, 3)
-    out = array(x)
-    for b, m in enumerate(stock):
-        assert rel_err(out[b], m(x[b])) <= RTOL
+        plait.fuse(WithLSTM, n=2, capture="fx")
+    # ... a captured array names the graph node and its layer on its first call
+    x = torch.randn(2, 5, 4, 3)
+    array = plait.fuse(WithLSTM, n=2)
+    assert isinstance(array, CapturedArray)
+    with pytest.raises(
+        UnsupportedLayerError,
+        match=r"node 'lstm' \(aten.lstm.input\) in layer 'rnn' \(torch.nn.modules.rnn.LSTM\)"
+        r".*fallback='vmap'",
+    ):
+        array(x)
+    assert isinstance(plait.fuse(build(WithLSTM, 2), capture="fx", fallback="vmap"), VmapArray)
 
 
 class WithEinsum(nn.Module):
@@ -123,21 +129,24 @@ class WithEinsum(nn.Module):
         return torch.einsum("nd,nd->n", self.lin(x), x)
 
 
-def test_unsupported_function_is_named() -> None:
+def test_calls_fx_cannot_fuse_are_captured() -> None:
     with pytest.raises(UnsupportedLayerError, match=r"einsum \(called in WithEinsum.forward\)"):
-        plait.fuse(WithEinsum, n=2)
+        plait.fuse(WithEinsum, n=2, capture="fx")
+    assert isinstance(plait.fuse(WithEinsum, n=2), CapturedArray)
+    assert train_both(WithEinsum, lambda b: torch.randn(b, 5, 3)) <= RTOL
+    prelu = lambda: nn.Sequential(nn.Linear(3, 4), nn.PReLU(4))  # noqa: E731
+    assert train_both(prelu, lambda b: torch.randn(b, 5, 3)) <= RTOL
 
 
-def test_untraceable_model_points_to_the_fallback() -> None:
+def test_untraceable_model_is_captured() -> None:
     cfg = GPTConfig(vocab_size=13, block_size=6, n_layer=1, n_head=2, n_embd=8)
     with pytest.raises(UnsupportedLayerError, match="fallback='vmap'"):
-        plait.fuse(lambda: GPT(cfg), n=2)
-    stock = build(lambda: GPT(cfg), 2)
-    array = plait.fuse(build(lambda: GPT(cfg), 2), fallback="vmap")
-    idx = torch.randint(0, 13, (2, 3, 6))
-    out = array(idx)
-    for b, m in enumerate(stock):
-        assert rel_err(out[b], m(idx[b])) <= RTOL
+        plait.fuse(lambda: GPT(cfg), n=2, capture="fx")
+    # The key projection's bias adds one number to all scores of a query, which softmax
+    # removes: its gradient is zero but for rounding noise, which steps it differently in
+    # any two runs without changing an output. It is left out of the comparison.
+    tokens = lambda b: torch.randint(0, 13, (b, 3, 6))  # noqa: E731
+    assert train_both(lambda: GPT(cfg), tokens, ignore=("k_proj.bias",)) <= RTOL
 
 
 def test_mismatched_models_name_the_difference() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import plait
@@ -16,8 +17,9 @@ def test_errors_are_value_errors() -> None:
 
 
 def test_unsupported_layer_names_the_layer_and_the_fallback() -> None:
-    with pytest.raises(UnsupportedLayerError, match=r"'0' \(torch.nn.modules.rnn.GRU\)"):
-        plait.fuse(lambda: nn.Sequential(nn.GRU(3, 4)), n=2)
+    array = plait.fuse(lambda: nn.Sequential(nn.GRU(3, 4)), n=2)
+    with pytest.raises(UnsupportedLayerError, match=r"'0' \(torch.nn.modules.rnn.GRU\).*'vmap'"):
+        array(torch.randn(2, 5, 3))
 
 
 def test_structure_mismatch_names_the_first_difference() -> None:

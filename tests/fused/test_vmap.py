@@ -13,159 +13,28 @@ import pytest
 import torch
 from torch import nn
 
-import plait
-from plait.fused import FusedAdam, FusedSGD, UnsupportedLayerError, VmapArray
+from plait.fused import VmapArray
 from plait.fused.vmap import disable_caches, tied_parameters
-from tests.fused.helpers import RTOL, build, rel_err
+from tests.fused.helpers import RTOL, build
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+
+from tests.fused.hf_models import MODELS, VOCAB, B, gpt2, llama, train_like_stock
 
 # vmap has no batching rule for CPU flash attention and loops over models there (slower,
 # same result), which torch reports on every call.
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
-
-B = 2
-VOCAB = 48
-
-
-def gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=16,
-        n_head=2,
-        vocab_size=VOCAB,
-        n_positions=8,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model: nn.Module = transformers.GPT2LMHeadModel(cfg)
-    return model
-
-
-def bert() -> nn.Module:
-    cfg = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=VOCAB,
-        max_position_embeddings=8,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    model: nn.Module = transformers.BertForSequenceClassification(cfg)
-    return model
-
-
-def llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=32,
-        vocab_size=VOCAB,
-        max_position_embeddings=8,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model: nn.Module = transformers.LlamaForCausalLM(cfg)
-    return model
-
-
-def resnet() -> nn.Module:
-    cfg = transformers.ResNetConfig(
-        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, layer_type="basic"
-    )
-    model: nn.Module = transformers.ResNetForImageClassification(cfg)
-    return model
-
-
-def tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (B, 4, 8), generator=g)
-    return {"input_ids": ids, "labels": ids}
-
-
-def classified_tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
-    return {
-        "input_ids": torch.randint(0, VOCAB, (B, 4, 8), generator=g),
-        "labels": torch.randint(0, 3, (B, 4), generator=g),
-    }
-
-
-def images(g: torch.Generator) -> dict[str, torch.Tensor]:
-    return {
-        "pixel_values": torch.randn(B, 4, 3, 16, 16, generator=g),
-        "labels": torch.randint(0, 3, (B, 4), generator=g),
-    }
-
-
-MODELS = {
-    "gpt2": (gpt2, tokens),
-    "bert": (bert, classified_tokens),
-    "llama": (llama, tokens),
-    "resnet": (resnet, images),
-}
-
-# BERT's attention key bias adds the same number to every score of a query, which the
-# softmax removes: its exact gradient is zero and both runs step it by rounding noise
-# alone, with no effect on any output. It is left out of the comparison.
-ZERO_GRADIENT = ("attention.self.key.bias",)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_transformers_model_trains_like_stock(name: str, optimizer: str) -> None:
     factory, batch = MODELS[name]
-    with pytest.raises(UnsupportedLayerError, match="fallback='vmap'"):
-        plait.fuse(factory, n=B)
-    stock = build(factory, B)
-    array = plait.fuse(build(factory, B), fallback="vmap")
-    assert isinstance(array, VmapArray)
-    if optimizer == "sgd":
-        lrs = [0.05, 0.1]
-        opt: torch.optim.Optimizer = FusedSGD(array.parameters(), lr=lrs, momentum=0.9)
-        stock_opts: list[torch.optim.Optimizer] = [
-            torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
-            for m, lr in zip(stock, lrs, strict=True)
-        ]
-    else:
-        # Adam turns each element's gradient, rounding noise included, into a step of
-        # about lr, so fp32 runs that sum in different orders drift apart in proportion
-        # to lr: at 1e-3 stock fp32 GPT-2 and Llama end 1e-4 from float64 themselves.
-        # Rates in the usual transformer range keep that noise below the 1e-5 bound.
-        lrs = [5e-5, 1e-4]
-        opt = FusedAdam(array.parameters(), lr=lrs)
-        stock_opts = [
-            torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(stock, lrs, strict=True)
-        ]
-    g = torch.Generator().manual_seed(7)
-    for _ in range(10):
-        inputs = batch(g)
-        out = array(**inputs)
-        assert out.loss.shape == (B,)  # the model's own loss, one per model
-        out.loss.sum().backward()
-        opt.step()
-        opt.zero_grad()
-        for b, m in enumerate(stock):
-            m(**{k: v[b] for k, v in inputs.items()}).loss.backward()
-            stock_opts[b].step()
-            stock_opts[b].zero_grad()
-    err = 0.0
-    for b, state in enumerate(array.to_models()):
-        stock[b].load_state_dict(state)  # every key, tied ones included, is exported
-        for k, v in stock[b].state_dict().items():
-            if not k.endswith(ZERO_GRADIENT):
-                err = max(err, rel_err(state[k], v))
-    assert err <= RTOL
+    assert train_like_stock(VmapArray(build(factory, B)), factory, batch, optimizer) <= RTOL
 
 
 def test_outputs_keep_their_type_and_caches_are_off() -> None:
-    array = plait.fuse(llama, n=B, fallback="vmap")
+    array = VmapArray(build(llama, B))
     out = array(torch.randint(0, VOCAB, (B, 3, 5)))
     assert type(out).__name__ == "CausalLMOutputWithPast"
     assert out.logits.shape == (B, 3, 5, VOCAB)
@@ -174,7 +43,7 @@ def test_outputs_keep_their_type_and_caches_are_off() -> None:
 
 def test_tied_weights_are_one_parameter_under_both_names() -> None:
     assert tied_parameters(gpt2()) == {"lm_head.weight": "transformer.wte.weight"}
-    array = plait.fuse(gpt2, n=B, fallback="vmap")
+    array = VmapArray(build(gpt2, B))
     assert array.get_parameter("lm_head.weight") is array.get_parameter("transformer.wte.weight")
     assert sum(p is array.get_parameter("lm_head.weight") for p in array.parameters()) == 1
     stock = build(gpt2, B)

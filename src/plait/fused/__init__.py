@@ -9,7 +9,8 @@ each model for the stock module. `plait.fused.sweep` runs Optuna sweeps as fused
 from __future__ import annotations
 
 from plait.fused.array import check_same_structure
-from plait.fused.convert import Fallback, FusedArray, fuse
+from plait.fused.capture import CapturedArray
+from plait.fused.convert import Capture, Fallback, FusedArray, fuse
 from plait.fused.errors import StructureMismatchError, UnsupportedLayerError
 from plait.fused.losses import accuracy, cross_entropy, mse_loss, per_model_loss
 from plait.fused.lr_scheduler import (
@@ -33,6 +34,8 @@ from plait.fused.vmap import VmapArray
 
 __all__ = [
     "CONV_LAYOUTS",
+    "Capture",
+    "CapturedArray",
     "CosineAnnealingLR",
     "Fallback",
     "FusedAdagrad",

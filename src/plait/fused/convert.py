@@ -11,6 +11,7 @@ train as a `VmapArray` with the same interface.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
@@ -19,11 +20,14 @@ import torch
 from torch import fx, nn
 
 from plait.fused.array import ModelArrayMixin, check_same_structure
+from plait.fused.capture import CapturedArray
 from plait.fused.errors import UnsupportedLayerError
 from plait.fused.ops import ELEMENTWISE, FUSED_LAYERS, supported_layers
 from plait.fused.ops.base import FusedModule, expand_models
 from plait.fused.rules import any_batched, batched_call
 from plait.fused.vmap import VmapArray
+
+logger = logging.getLogger(__name__)
 
 
 class Fallback(StrEnum):
@@ -31,6 +35,14 @@ class Fallback(StrEnum):
 
     NONE = "none"  # raise UnsupportedLayerError naming the layer
     VMAP = "vmap"  # train it as a torch.func (vmap) array instead
+
+
+class Capture(StrEnum):
+    """How `fuse` reads the model's forward."""
+
+    AUTO = "auto"  # torch.fx where it traces and fuses, else torch.export on the first call
+    FX = "fx"  # torch.fx symbolic tracing only
+    EXPORT = "export"  # torch.export on the first call (per input signature)
 
 
 class FusedArray(ModelArrayMixin, fx.GraphModule):
@@ -111,6 +123,7 @@ def fuse(
     n: int | None = None,
     *,
     fallback: Fallback | str = Fallback.NONE,
+    capture: Capture | str = Capture.AUTO,
 ) -> FusedArray | LayerArray | VmapArray:
     """Fuse B models of one architecture into one array.
 
@@ -121,20 +134,33 @@ def fuse(
         n: the number of models B (required with a factory or a single module).
         fallback: "vmap" trains models that cannot be fused layer by layer as a
             `VmapArray` (torch.func) with the same interface; "none" raises instead.
+        capture: "fx" traces the forward with torch.fx once, now; "export" captures it
+            with torch.export on the first call (and on each new input signature),
+            resolving Python control flow on those inputs (a `CapturedArray`); "auto"
+            (the default) uses torch.fx where it traces and fuses the model, and
+            torch.export otherwise.
 
     Raises:
-        UnsupportedLayerError: a layer or call has no fused form (named in the message).
+        UnsupportedLayerError: a layer or call has no fused form (named in the message);
+            a captured array raises it on its first call, naming the graph node.
         StructureMismatchError: the models differ in structure (the place is named).
     """
     fallback = Fallback(fallback)
+    capture = Capture(capture)
     built = _materialize(models, n)
     check_same_structure(built)
-    try:
-        return _convert(built)
-    except UnsupportedLayerError:
-        if fallback is Fallback.VMAP:
-            return VmapArray(built)
-        raise
+    if capture is not Capture.EXPORT:
+        try:
+            return _convert(built)
+        except UnsupportedLayerError as e:
+            if capture is Capture.FX:
+                if fallback is Fallback.VMAP:
+                    return VmapArray(built)
+                raise
+            reason = e.__cause__ if e.__cause__ is not None else e
+            logger.info("%s: torch.fx cannot fuse it (%s: %s); capturing it with torch.export",
+                        type(built[0]).__name__, type(reason).__name__, reason)  # fmt: skip
+    return CapturedArray(built, fallback=fallback is Fallback.VMAP)
 
 
 def _convert(models: list[nn.Module]) -> FusedArray | LayerArray:

@@ -59,7 +59,7 @@ def method(name: str) -> Callable[..., Any]:
     return call
 
 
-def _align(values: list[Any], flags: Sequence[bool]) -> list[Any]:
+def align(values: list[Any], flags: Sequence[bool]) -> list[Any]:
     """Give batched tensors equal rank by adding singleton dims behind B (broadcasting)."""
     rank = 0
     for v, f in zip(values, flags, strict=True):
@@ -93,7 +93,7 @@ def elementwise(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Fla
     flags = tuple(bool(f) for f in fa) + tuple(bool(fk[k]) for k in keys)
 
     def impl(*args: Any, **kwargs: Any) -> Any:
-        values = _align([*args, *(kwargs[k] for k in keys)], flags)
+        values = align([*args, *(kwargs[k] for k in keys)], flags)
         n = len(args)
         return op(*values[:n], **dict(zip(keys, values[n:], strict=True)))
 
@@ -111,7 +111,7 @@ def matmul(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags]) 
                 raise UnsupportedLayerError(
                     "matmul with a per-model vector cannot be fused; reshape it to a matrix"
                 )
-        x, y = _align([a, b], flags)
+        x, y = align([a, b], flags)
         return torch.matmul(x, y, **kwargs)
 
     impl.__name__ = impl.__qualname__ = "batched_matmul"
@@ -160,11 +160,12 @@ def layer_norm(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flag
 # ----------------------------------------------------------------------------- dimensions
 
 
-def _shift(d: Any) -> Any:
+def shift(d: Any) -> Any:
+    """A per-model dimension (or a list of them) as a dimension of the [B, ...] tensor."""
     if isinstance(d, int) and not isinstance(d, bool):
         return d + 1 if d >= 0 else d
     if isinstance(d, list | tuple):
-        return type(d)(_shift(x) for x in d)
+        return type(d)(shift(x) for x in d)
     return d
 
 
@@ -209,7 +210,7 @@ def dims(*specs: tuple[int, str, Any], reduce_all: bool = False, flatten_all: bo
                 elif value is _MISSING:
                     continue
                 else:
-                    value = _shift(value)
+                    value = shift(value)
                 if kw in kwargs or pos >= len(a):
                     kwargs[kw] = value
                 else:
@@ -225,7 +226,7 @@ def permute(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags])
     def impl(x: Any, *order: Any, **kwargs: Any) -> Any:
         d = kwargs.pop("dims", order[0] if len(order) == 1 and not isinstance(order[0], int)
                        else order)  # fmt: skip
-        return x.permute(0, *_shift(tuple(d)))
+        return x.permute(0, *shift(tuple(d)))
 
     impl.__name__ = impl.__qualname__ = "batched_permute"
     return impl
@@ -246,7 +247,7 @@ def squeeze(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags])
         if dim is None:  # every per-model singleton dim, never B itself
             dim = tuple(i for i in range(1, x.dim()) if x.shape[i] == 1)
             return x.squeeze(dim) if dim else x
-        return x.squeeze(_shift(dim))
+        return x.squeeze(shift(dim))
 
     impl.__name__ = impl.__qualname__ = "batched_squeeze"
     return impl
@@ -259,10 +260,10 @@ def minmax(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags]) 
     def impl(x: Any, *args: Any, **kwargs: Any) -> Any:
         other = args[0] if args else kwargs.pop("other", None)
         if isinstance(other, torch.Tensor):
-            return op(*_align([x, other], flags))
+            return op(*align([x, other], flags))
         if args or "dim" in kwargs:
             dim = kwargs.pop("dim", args[0] if args else None)
-            return op(x, _shift(dim), *args[1:], **kwargs)
+            return op(x, shift(dim), *args[1:], **kwargs)
         return op(x.flatten(1), 1, **kwargs).values
 
     return _named(impl, op, "batched")
@@ -277,7 +278,7 @@ def cat(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags]) -> 
         flags = member_flags or (True,) * len(tensors)
         b = _batch_size(list(tensors), list(flags))
         members = [t if f else expand_models(t, b) for t, f in zip(tensors, flags, strict=True)]
-        return op(members, _shift(dim), **kwargs)
+        return op(members, shift(dim), **kwargs)
 
     return _named(impl, op, "batched")
 
@@ -288,7 +289,7 @@ def gather(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags]) 
     def impl(x: Any, dim: int, index: Any, **kwargs: Any) -> Any:
         if index.dim() < x.dim():
             index = expand_models(index, int(x.shape[0]))
-        return op(x, _shift(dim), index, **kwargs)
+        return op(x, shift(dim), index, **kwargs)
 
     return _named(impl, op, "batched")
 
@@ -352,7 +353,7 @@ def size(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags]) ->
         if name in ("numel", "nelement"):
             return x.numel() // x.shape[0]
         if args and args[0] is not None:
-            return x.size(_shift(args[0]))
+            return x.size(shift(args[0]))
         return x.shape[1:]
 
     impl.__name__ = impl.__qualname__ = f"per_model_{name}"
@@ -429,7 +430,7 @@ def sdpa(op: Callable[..., Any], fa: tuple[Flags, ...], fk: dict[str, Flags]) ->
 
     def impl(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
         mask = args[0] if args else kwargs.pop("attn_mask", None)
-        vals = _align([q, k, v, mask], flags)
+        vals = align([q, k, v, mask], flags)
         return F.scaled_dot_product_attention(*vals, *args[1:], **kwargs)
 
     impl.__name__ = impl.__qualname__ = "batched_sdpa"

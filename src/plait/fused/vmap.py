@@ -75,17 +75,22 @@ def disable_caches(model: nn.Module) -> list[str]:
 
 
 class _ZeroPaddingRows:
-    """Gradient hook of a stacked embedding table: zero row `padding[b]` of model b."""
+    """Gradient hook of a stacked embedding table: zero row `padding[b]` of model b.
+
+    `active` is off while the table's gradient comes from a forward that keeps padding
+    rows out of it itself (a captured array's fused lookup).
+    """
 
     def __init__(self, padding: list[int | None]) -> None:
         self.padding = padding
+        self.active = True
 
     def keep(self, index: torch.Tensor) -> None:
         self.padding = [self.padding[int(i)] for i in index]
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         rows = [(b, pad) for b, pad in enumerate(self.padding) if pad is not None]
-        if not rows:
+        if not rows or not self.active:
             return grad
         grad = grad.clone()
         for b, pad in rows:
@@ -158,6 +163,10 @@ class VmapArray(ModelArrayMixin, nn.Module):
         for alias, name in self._tied.items():
             _set_path(skeleton, alias, skeleton.get_parameter(name))
         changed = disable_caches(skeleton)
+        self._caches_disabled = [
+            path for path, sub in skeleton.named_modules() if path in changed or (
+                not path and type(first).__name__ in changed)
+        ]  # fmt: skip
         if changed:
             logger.info("%s: use_cache turned off for training as an array", ", ".join(changed))
         return skeleton
@@ -178,6 +187,10 @@ class VmapArray(ModelArrayMixin, nn.Module):
         self.num_models = int(index.numel())
         for hook in self._padding_hooks:
             hook.keep(index)
+
+    def _use_padding_hooks(self, active: bool) -> None:
+        for hook in self._padding_hooks:
+            hook.active = active
 
     def train(self, mode: bool = True) -> VmapArray:
         super().train(mode)

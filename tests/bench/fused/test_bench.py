@@ -119,9 +119,12 @@ def test_stock_strategies_use_the_chosen_adam(adam: StockAdam) -> None:
     )
     vmap = make_runner(ArrayStrategy.VMAP, model, 2, batch=4, threads=1, device="cpu", adam=adam)
     assert isinstance(serial, Serial) and isinstance(vmap, Vmap)
-    for opt in [*serial.opts, vmap.opt]:
+    for opt in serial.opts:
         assert bool(opt.defaults["fused"]) is (adam is StockAdam.FUSED)
         assert bool(opt.defaults["foreach"]) is (adam is StockAdam.FOREACH)
+    # torch.func's peer steps with torch's functional Adam, in the same implementation
+    assert vmap.fused is (adam is StockAdam.FUSED)
+    assert vmap.foreach is (adam is StockAdam.FOREACH)
     serial.run(1)  # every implementation steps on CPU
     vmap.run(1)
     cfg = BenchConfig(

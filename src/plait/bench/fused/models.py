@@ -83,6 +83,12 @@ class BenchModel:
         """Synthetic inputs [models, batch, ...] of the workload's input shape."""
         return self.info.random_inputs(models, batch, generator=generator)
 
+    def targets(self, models: int, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Synthetic targets [models, batch]: classes, or a language model's next tokens
+        [models, batch, block_size]."""
+        shape = (models, batch, self.info.block_size) if self.info.block_size else (models, batch)
+        return torch.randint(0, self.num_classes, shape, generator=generator)
+
 
 @cache
 def get_model(name: str) -> BenchModel:

@@ -1,11 +1,17 @@
-"""The four ways to train N models that the benchmark compares, behind one interface.
+"""The five ways to train N models that the benchmark compares, behind one interface.
 
-- fused: `plait.fuse` + `FusedAdam` with per-model learning rates, one process;
+- fused: `plait.fuse` + `FusedAdam` with per-model learning rates, one process (layers
+  fused from torch.fx's trace, or from torch.export's graph where fx cannot trace);
+- fallback: plait's vmap fallback, `VmapArray` + `FusedAdam`, the array a model runs as
+  when it cannot be fused;
 - serial: N stock models trained one after another in one process (stock Adam each);
 - concurrent: N processes, one stock model each, running at the same time;
 - vmap: the torch.func ensemble recipe (stack_module_state + functional_call + vmap)
-  with stock Adam over the stacked weights (Adam is element-wise, so this is per-model
-  Adam with one shared learning rate).
+  with torch's functional Adam (`torch.optim.adam.adam`) over the stacked weights (Adam
+  is element-wise, so this is per-model Adam with one shared learning rate).
+
+Models of any workload train on its loss: class logits or a language model's tokens,
+read from a `ModelOutput`'s `logits` for models nobody here wrote (Hugging Face's).
 
 The stock strategies' Adam is torch's fused implementation by default (`StockAdam`):
 the fused array's `FusedAdam` runs that same kernel, so the comparison measures fusing
@@ -29,8 +35,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.optim.adam import adam
 
 from plait.bench.core import Stopwatch
 from plait.bench.fused.models import BenchModel, get_model
@@ -38,6 +44,8 @@ from plait.fused.convert import fuse
 from plait.fused.losses import cross_entropy
 from plait.fused.malloc import tune_malloc
 from plait.fused.optim import FusedAdam
+from plait.fused.vmap import VmapArray
+from plait.workloads import logits_of
 
 LR = 1e-3
 
@@ -58,6 +66,7 @@ class StockAdam(StrEnum):
 
 class ArrayStrategy(StrEnum):
     FUSED = "fused"
+    FALLBACK = "fallback"
     SERIAL = "serial"
     CONCURRENT = "concurrent"
     VMAP = "vmap"
@@ -77,10 +86,11 @@ class _Setup:
         self.adam = adam
         g = torch.Generator().manual_seed(seed)
         self.x = model.inputs(n, batch, g).to(device)
-        self.y = torch.randint(0, model.num_classes, (n, batch), generator=g).to(device)
+        self.y = model.targets(n, batch, g).to(device)
         torch.manual_seed(seed)
         self.models = [model.build().to(device) for _ in range(n)]
         self.device = device
+        self.loss = model.workload.loss
 
 
 class Runner:
@@ -99,9 +109,9 @@ class Runner:
 
 
 class Fused(Runner):
-    def __init__(self, setup: _Setup) -> None:
+    def __init__(self, setup: _Setup, *, fallback: bool = False) -> None:
         n = len(setup.models)
-        self.array = fuse(setup.models)
+        self.array: nn.Module = VmapArray(setup.models) if fallback else fuse(setup.models)
         lrs = [LR * (1 + 0.01 * i) for i in range(n)]  # per-model rates cost nothing extra
         self.opt = FusedAdam(self.array.parameters(), lr=lrs)
         self.s = setup
@@ -109,7 +119,7 @@ class Fused(Runner):
     def train(self, steps: int) -> None:
         for _ in range(steps):
             self.opt.zero_grad()
-            cross_entropy(self.array(self.s.x), self.s.y).sum().backward()
+            cross_entropy(logits_of(self.array(self.s.x)), self.s.y).sum().backward()
             self.opt.step()
         _sync(self.s.device)
 
@@ -125,33 +135,53 @@ class Serial(Runner):
             x, y = self.s.x[b], self.s.y[b]
             for _ in range(steps):
                 opt.zero_grad()
-                F.cross_entropy(m(x), y).backward()
+                self.s.loss(m(x), y).backward()
                 opt.step()
         _sync(self.s.device)
 
 
 class Vmap(Runner):
+    """torch.func's ensembling recipe with a functional Adam over the stacked weights.
+
+    The template keeps the first model's tied parameters tied (a copy, not a move to the
+    meta device, which unties them), so `functional_call` ties the stacked tensors the
+    same way; one shared learning rate, as torch's Adam takes one.
+    """
+
     def __init__(self, setup: _Setup) -> None:
         from torch.func import functional_call, stack_module_state, vmap
 
         params, buffers = stack_module_state(setup.models)
-        self.params: dict[str, torch.Tensor] = {k: nn.Parameter(v) for k, v in params.items()}
+        self.params = [p.requires_grad_() for p in params.values()]
+        self.names = list(params)
         self.buffers = buffers
-        base = copy.deepcopy(setup.models[0]).to("meta")
+        base = copy.deepcopy(setup.models[0])
 
         def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
-            return functional_call(base, (p, b), (x,))
+            return logits_of(functional_call(base, (p, b), (x,)))
 
         self.forward = vmap(one, randomness="different")
-        self.opt = setup.adam.make(self.params.values())
+        self.exp_avg = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        self.steps = [torch.zeros(()) for _ in self.params]
+        self.fused = setup.adam is StockAdam.FUSED  # the implementation the stock ones use
+        self.foreach = setup.adam is StockAdam.FOREACH
         self.s = setup
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            self.opt.zero_grad()
-            out = self.forward(self.params, self.buffers, self.s.x)
+            for p in self.params:
+                p.grad = None
+            out = self.forward(dict(zip(self.names, self.params, strict=True)), self.buffers,
+                               self.s.x)  # fmt: skip
             cross_entropy(out, self.s.y).sum().backward()
-            self.opt.step()
+            with torch.no_grad():
+                adam(
+                    self.params, [p.grad for p in self.params], self.exp_avg,
+                    self.exp_avg_sq, [], self.steps, foreach=self.foreach, fused=self.fused,
+                    amsgrad=False, beta1=0.9, beta2=0.999, lr=LR, weight_decay=0.0, eps=1e-8,
+                    maximize=False,
+                )  # fmt: skip
         _sync(self.s.device)
 
 
@@ -173,7 +203,7 @@ def _worker(
     model = get_model(model_name)
     g = torch.Generator().manual_seed(seed)
     x = model.inputs(1, batch, g)[0].to(device)
-    y = torch.randint(0, model.num_classes, (batch,), generator=g).to(device)
+    y = model.targets(1, batch, g)[0].to(device)
     torch.manual_seed(seed)
     m = model.build().to(device)
     opt = StockAdam(adam).make(m.parameters())
@@ -185,7 +215,7 @@ def _worker(
         cpu = time.process_time()
         for _ in range(int(cmd)):
             opt.zero_grad()
-            F.cross_entropy(m(x), y).backward()
+            model.workload.loss(m(x), y).backward()
             opt.step()
         _sync(device)
         conn.send(time.process_time() - cpu)
@@ -272,8 +302,8 @@ def make_runner(
             model, n, batch=batch, threads=threads, device=device, tune=tune, adam=adam
         )
     setup = _Setup(model, n, batch, device, adam=adam)
-    if strategy is ArrayStrategy.FUSED:
-        return Fused(setup)
+    if strategy in (ArrayStrategy.FUSED, ArrayStrategy.FALLBACK):
+        return Fused(setup, fallback=strategy is ArrayStrategy.FALLBACK)
     if strategy is ArrayStrategy.SERIAL:
         return Serial(setup)
     return Vmap(setup)

@@ -62,6 +62,7 @@ _SIGNATURES = {
     "layer_norm_forward": [_P, _P, _P, _P, _P, _P, _I64, _I64, _F32, _INT],
     "layer_norm_backward": [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT],
     "adam_step": [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _F32, _F32, _F32, _F32, _INT],
+    "dropout_apply": [_P, _P, _I64, _I64, _P, ctypes.c_uint64, _INT],
 }
 
 _lock = threading.Lock()

@@ -317,3 +317,44 @@ void adam_step(i64 nparams, const i64 *restrict sizes, const i64 *restrict offse
             }
         }
 }
+
+/* A 32-bit integer hash with good avalanche (Wellons' "lowbias32"): each output bit
+ * depends on every input bit, so hashing consecutive counters gives independent-looking
+ * uniform draws. Multiplies and shifts on 32-bit lanes only, so loops calling it vectorise. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    x ^= x >> 16;
+    return x;
+}
+
+/* Dropout of `models` contiguous blocks of `per_model` elements: element i of block b is
+ * kept when the draw hashed from (seed, b * per_model + i) is at least p[b], and scaled by
+ * 1 / (1 - p[b]). The mask is a function of the seed and the position, so the backward
+ * pass applies the same function to the gradient (the kernel is linear in x) and no mask
+ * is stored. A draw is the top 24 bits of the hash, compared with p[b] * 2^24. */
+#define DROPOUT_CHUNK 4096
+void dropout_apply(const float *restrict x, float *restrict out, i64 models, i64 per_model,
+                   const float *restrict p, uint64_t seed, int threads) {
+    const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
+    const i64 chunks = (per_model + DROPOUT_CHUNK - 1) / DROPOUT_CHUNK;
+#pragma omp parallel for num_threads(threads) collapse(2) schedule(static)
+    for (i64 b = 0; b < models; b++)
+        for (i64 c = 0; c < chunks; c++) {
+            const float q = p[b];
+            const uint32_t threshold = (uint32_t)(q * 16777216.0f);
+            const float scale = q < 1.0f ? 1.0f / (1.0f - q) : 0.0f;
+            const i64 start = c * DROPOUT_CHUNK;
+            const i64 stop = start + DROPOUT_CHUNK < per_model ? start + DROPOUT_CHUNK : per_model;
+            const float *restrict xb = x + b * per_model;
+            float *restrict ob = out + b * per_model;
+            const uint32_t base = (uint32_t)(b * per_model);
+#pragma omp simd
+            for (i64 i = start; i < stop; i++) {
+                const uint32_t h = mix32(mix32((base + (uint32_t)i) ^ s0) + s1);
+                ob[i] = (h >> 8) >= threshold ? xb[i] * scale : 0.0f;
+            }
+        }
+}

@@ -43,6 +43,7 @@ _SCHEMAS = {
     "adam_step": "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
     "Tensor(c!) exp_avg_sq, float[] step_size, float beta1, float beta2, float eps, "
     "float bc2_sqrt) -> ()",
+    "dropout": "(Tensor x, Tensor p, int seed) -> Tensor",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -250,6 +251,23 @@ def _adam_step_fake(  # noqa: PLR0917
     return None
 
 
+# -------------------------------------------------------------------------------- dropout
+def _dropout(x: Tensor, p: Tensor, seed: int) -> Tensor:
+    """Dropout of contiguous [models, ...] `x` with model b's probability p[b] (float32
+    [models]); the same seed gives the same mask, which the backward pass relies on."""
+    out = torch.empty_like(x)
+    models = p.numel()
+    _library().dropout_apply(
+        x.data_ptr(), out.data_ptr(), models, x.numel() // models, p.data_ptr(), seed,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _dropout_fake(x: Tensor, p: Tensor, seed: int) -> Tensor:
+    return torch.empty_like(x)
+
+
 @functools.lru_cache(maxsize=256)
 def _sizes_and_offsets(sizes: tuple[int, ...]) -> tuple[ctypes.Array[ctypes.c_int64], ...]:
     """Per-model parameter sizes and their column offsets in the flat state, as C arrays
@@ -263,12 +281,14 @@ _register("attention_backward", _attention_backward, _attention_backward_fake)
 _register("layer_norm", _layer_norm, _layer_norm_fake)
 _register("layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake)
 _register("adam_step", _adam_step, _adam_step_fake)
+_register("dropout", _dropout, _dropout_fake)
 
 attention = torch.ops.plait.attention.default
 attention_backward = torch.ops.plait.attention_backward.default
 layer_norm = torch.ops.plait.layer_norm.default
 layer_norm_backward = torch.ops.plait.layer_norm_backward.default
 adam_step = torch.ops.plait.adam_step.default
+dropout = torch.ops.plait.dropout.default
 
 #: The implementations themselves, without the dispatcher (see `plait.fused.native.functions`).
 direct = SimpleNamespace(
@@ -277,4 +297,5 @@ direct = SimpleNamespace(
     layer_norm=_layer_norm,
     layer_norm_backward=_layer_norm_backward,
     adam_step=_adam_step,
+    dropout=_dropout,
 )

@@ -67,6 +67,61 @@ def set_conv_layout(layout: str) -> str:
     return previous
 
 
+def _grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+    channels_last: bool,
+) -> torch.Tensor:
+    """One convolution over channels [N, C', *S] with B models' filters [B, out, in/g, *k]
+    flattened to [B*out, ...] (`groups` counts the groups of all models)."""
+    spatial = weight.dim() - 3
+    flat = None if bias is None else bias.flatten()
+    w = weight.flatten(0, 1)
+    if spatial == 2:  # see the module docstring; the kernel follows the input's layout
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        x = x.contiguous(memory_format=fmt)
+        w = w.contiguous(memory_format=fmt)
+    fn = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+    out: torch.Tensor = fn(x, w, flat, stride, padding, dilation, groups)
+    return out
+
+
+def conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    channels_last: bool | None = None,
+) -> torch.Tensor:
+    """B models' zero-padded convolutions: input [B, N, C, *S] (or [B, C, *S], one sample
+    per model), filters [B, out, in/groups, *k], bias [B, out] -> [B, N, out, *S'].
+
+    `channels_last` defaults to the layout `set_conv_layout` chose for 2-d kernels.
+    """
+    b = weight.shape[0]
+    spatial = weight.dim() - 3
+    cl = _layout["conv2d"] == "channels_last" if channels_last is None else channels_last
+    cl = cl and spatial == 2
+    kw = {"stride": stride, "padding": padding, "dilation": dilation, "channels_last": cl}
+    if groups == 1 and is_shared(x):  # one input for all models: all B*out filters at once
+        return from_channels(_grouped(x[0], weight, bias, groups=1, **kw), b)
+    if x.dim() == spatial + 2:  # each model's input is one unbatched sample [C, *S]
+        single = _grouped(x.flatten(0, 1).unsqueeze(0), weight, bias, groups=b * groups, **kw)
+        out: torch.Tensor = single.unflatten(1, (b, -1))[0]
+        return out
+    return from_channels(_grouped(to_channels(x), weight, bias, groups=b * groups, **kw), b)
+
+
 class _FusedConvBase(FusedModule):
     transposed: ClassVar[bool] = False
 
@@ -126,19 +181,15 @@ class FusedConv(_FusedConvBase):
     stock_types = tuple(_CONV)
 
     def _kernel(self, x: torch.Tensor, b: int, *, groups: int | None = None) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.flatten()
         padding = self.padding
         if self.padding_mode != "zeros":
             x = F.pad(x, self._pad, mode=self.padding_mode)
             padding = 0
-        groups = b * self.groups if groups is None else groups
-        weight = self.weight.flatten(0, 1)
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        if self.spatial == 2:  # see the module docstring; the kernel follows the input's layout
-            x = x.contiguous(memory_format=fmt)
-            weight = weight.contiguous(memory_format=fmt)
-        out: torch.Tensor = self._fn(x, weight, bias, self.stride, padding, self.dilation, groups)
-        return out
+        return _grouped(
+            x, self.weight, self.bias, stride=self.stride, padding=padding,
+            dilation=self.dilation, groups=b * self.groups if groups is None else groups,
+            channels_last=self.channels_last,
+        )  # fmt: skip
 
 
 class FusedConvTranspose(_FusedConvBase):

@@ -9,8 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.fused import native
 from plait.fused.hparams import coefficient, per_model
 from plait.fused.ops.base import FusedModule
+
+
+def dropout(x: torch.Tensor, p: Sequence[float], *, training: bool) -> torch.Tensor:
+    """Dropout over [B, ...] with model b's probability `p[b]`, every element drawn anew."""
+    if not training or all(q == 0.0 for q in p):
+        return x
+    lib = native.dropout_kernels(x)
+    if lib is not None:
+        return native.dropout(x, list(p), lib=lib)
+    if all(q == p[0] for q in p):
+        return F.dropout(x, p[0], True)
+    keep = [1.0 - q for q in p]
+    mask = torch.rand_like(x) < coefficient(keep, x, x.dim())
+    scale = coefficient([0.0 if k == 0.0 else 1.0 / k for k in keep], x, x.dim())
+    return x * mask * scale
 
 
 class FusedDropout(FusedModule):
@@ -43,14 +59,7 @@ class FusedDropout(FusedModule):
         self.p = [self.p[i] for i in index.tolist()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or all(q == 0.0 for q in self.p):
-            return x
-        if all(q == self.p[0] for q in self.p):
-            return F.dropout(x, self.p[0], True)
-        keep = [1.0 - q for q in self.p]
-        mask = torch.rand_like(x) < coefficient(keep, x, x.dim())
-        scale = coefficient([0.0 if k == 0.0 else 1.0 / k for k in keep], x, x.dim())
-        return x * mask * scale
+        return dropout(x, self.p, training=self.training)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

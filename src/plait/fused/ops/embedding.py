@@ -36,6 +36,25 @@ class _Lookup(torch.autograd.Function):
         return None, table.index_add_(0, idx.reshape(-1), grad.reshape(-1, d))
 
 
+def lookup(
+    weight: torch.Tensor, idx: torch.Tensor, padding_idx: Sequence[int | None] = ()
+) -> torch.Tensor:
+    """B models' embedding lookups: table [B, V, D], indices [B, ...] -> [B, ..., D].
+
+    Model b's index i reads row b*V + i of the flattened table, so one lookup serves all
+    models. A padding index (one per model, None for none) keeps its row out of that
+    model's gradient, as in the stock layer: the outputs at padded positions are detached.
+    """
+    b, v, d = weight.shape
+    offsets = torch.arange(b, device=idx.device).mul_(v).view(b, *([1] * (idx.dim() - 1)))
+    out: torch.Tensor = _Lookup.apply(idx + offsets, weight.view(b * v, d))
+    if any(p is not None for p in padding_idx):
+        pads = torch.tensor([-1 if p is None else p for p in padding_idx], device=idx.device)
+        padded = (idx == pads.view(b, *([1] * (idx.dim() - 1)))).unsqueeze(-1)
+        out = torch.where(padded, out.detach(), out)
+    return out
+
+
 class FusedEmbedding(FusedModule):
     """B `nn.Embedding` tables, weight [B, V, D], each model with its own `padding_idx`.
 
@@ -72,16 +91,7 @@ class FusedEmbedding(FusedModule):
         self.padding_idx = [self.padding_idx[i] for i in index.tolist()]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        b, v, d = self.weight.shape
-        offsets = torch.arange(b, device=idx.device).mul_(v).view(b, *([1] * (idx.dim() - 1)))
-        out: torch.Tensor = _Lookup.apply(idx + offsets, self.weight.view(b * v, d))
-        if any(p is not None for p in self.padding_idx):
-            pads = torch.tensor(
-                [-1 if p is None else p for p in self.padding_idx], device=idx.device
-            )
-            padded = (idx == pads.view(b, *([1] * (idx.dim() - 1)))).unsqueeze(-1)
-            out = torch.where(padded, out.detach(), out)
-        return out
+        return lookup(self.weight, idx, self.padding_idx)
 
     def extra_repr(self) -> str:
         return (

@@ -50,6 +50,60 @@ def batched_linear(
     return out
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """B models' `F.linear`: [B, ..., in] x [B, out, in] (+ [B, out]) -> [B, ..., out].
+
+    An input shared by all models (stride 0 on B) takes one matmul against all B weight
+    matrices; otherwise one batched matmul adds each model's bias as it goes.
+    """
+    b, out_features, in_features = weight.shape
+    if is_shared(x):
+        flat_bias = None if bias is None else bias.flatten()
+        y = F.linear(x[0], weight.flatten(0, 1), flat_bias)
+        shared: torch.Tensor = y.unflatten(-1, (b, out_features)).movedim(-2, 0)
+        return shared
+    y = batched_linear(x.reshape(b, -1, in_features), weight, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
+class _BatchedAddmm(torch.autograd.Function):
+    """y[b] = bias[b] + x[b] @ w[b] for weights stored [in, out] (transformers' Conv1D).
+
+    As `_BatchedLinear`, each gradient comes out as one kernel in its parameter's own
+    layout: autograd's backward of `baddbmm` would hand the [B, in, out] weight a
+    transposed product to copy.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        gx = torch.bmm(grad, weight.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        gw = torch.bmm(x.transpose(1, 2), grad) if ctx.needs_input_grad[1] else None
+        gb = grad.sum(1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def addmm(bias: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """B models' `bias + x @ weight` with weight [B, in, out] and bias [B, out]:
+    [B, ..., in] -> [B, ..., out]."""
+    b, in_features, out_features = weight.shape
+    if bias is not None and bias.dim() == 1:  # one bias for all models
+        bias = bias.expand(b, out_features)
+    y: torch.Tensor = _BatchedAddmm.apply(x.reshape(b, -1, in_features), weight, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
 class FusedLinear(FusedModule):
     """B `nn.Linear` layers: weight [B, out, in], bias [B, out]; input [B, ..., in].
 
@@ -76,14 +130,7 @@ class FusedLinear(FusedModule):
         return cls(weight=weight, bias=stack_parameter(modules, "bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.weight.shape[0]
-        if is_shared(x):  # one input for all models: one matmul with all B weight matrices
-            bias = None if self.bias is None else self.bias.flatten()
-            y = F.linear(x[0], self.weight.flatten(0, 1), bias)
-            out: torch.Tensor = y.unflatten(-1, (b, self.out_features)).movedim(-2, 0)
-            return out
-        y = batched_linear(x.reshape(b, -1, self.in_features), self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (

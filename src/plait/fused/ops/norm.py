@@ -27,6 +27,75 @@ from plait.fused.ops.base import (
 )
 
 
+def batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    *,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """B models' `F.batch_norm` over [B, N, C, ...]: affine and running statistics [B, C].
+
+    The statistics of model b are those of its own channel block; running statistics are
+    updated in place through [B*C] views, so each model's own buffers move.
+    """
+    b = x.shape[0]
+
+    def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(-1)
+
+    y = F.batch_norm(
+        to_channels(x), flat(running_mean), flat(running_var), flat(weight), flat(bias),
+        training, momentum, eps,
+    )  # fmt: skip
+    return from_channels(y, b)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """B models' `F.layer_norm` over [B, ..., *shape] with affine [B, *shape].
+
+    Narrow float32 rows on a CPU take the native kernel (see `FusedLayerNorm`).
+    """
+    shape = tuple(shape)
+    width = math.prod(shape)
+    lib = native.layer_norm_kernels(x, width=width, weight=weight, bias=bias)
+    if lib is not None:
+        return native.layer_norm(x, width=width, weight=weight, bias=bias, eps=eps, lib=lib)
+    y = F.layer_norm(x, shape, None, None, eps)
+    if weight is None:
+        return y if bias is None else y + model_view(bias, x.dim(), len(shape))
+    w = model_view(weight, x.dim(), len(shape))
+    if bias is None:
+        return y * w
+    return torch.addcmul(model_view(bias, x.dim(), len(shape)), y, w)
+
+
+def group_norm(
+    x: torch.Tensor,
+    groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """B models' `F.group_norm` over [B, N, C, ...]: B*G groups over B*C channels."""
+    b = x.shape[0]
+    y = F.group_norm(
+        to_channels(x), b * groups,
+        None if weight is None else weight.view(-1), None if bias is None else bias.view(-1), eps,
+    )  # fmt: skip
+    return from_channels(y, b)
+
+
 class FusedBatchNorm(FusedModule):
     """B `nn.BatchNorm1d/2d/3d` layers; weight, bias, running stats [B, C]."""
 
@@ -52,7 +121,6 @@ class FusedBatchNorm(FusedModule):
         return cls(template=modules[0], modules=modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.shape[0]
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -60,19 +128,11 @@ class FusedBatchNorm(FusedModule):
                 factor = 1.0 / float(self.num_batches_tracked[0])
         use_batch_stats = self.training or self.running_mean is None
         track = not self.training or self.track_running_stats
-        mean = self.running_mean.view(-1) if track and self.running_mean is not None else None
-        var = self.running_var.view(-1) if track and self.running_var is not None else None
-        y = F.batch_norm(
-            to_channels(x),
-            mean,
-            var,
-            None if self.weight is None else self.weight.view(-1),
-            None if self.bias is None else self.bias.view(-1),
-            use_batch_stats,
-            factor,
-            self.eps,
-        )
-        return from_channels(y, b)
+        return batch_norm(
+            x, self.weight, self.bias,
+            self.running_mean if track else None, self.running_var if track else None,
+            training=use_batch_stats, momentum=factor, eps=self.eps,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"models={self.num_models}, num_features={self.num_features}, eps={self.eps}"
@@ -104,19 +164,7 @@ class FusedLayerNorm(FusedModule):
         return cls(template=modules[0], modules=modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = math.prod(self.normalized_shape)
-        lib = native.layer_norm_kernels(x, width=width, weight=self.weight, bias=self.bias)
-        if lib is not None:
-            return native.layer_norm(x, width=width, weight=self.weight, bias=self.bias,
-                                     eps=self.eps, lib=lib)  # fmt: skip
-        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        if self.weight is None:
-            return y
-        k = len(self.normalized_shape)
-        w = model_view(self.weight, x.dim(), k)
-        if self.bias is None:
-            return y * w
-        return torch.addcmul(model_view(self.bias, x.dim(), k), y, w)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"models={self.num_models}, normalized_shape={self.normalized_shape}"
@@ -142,15 +190,7 @@ class FusedGroupNorm(FusedModule):
         return cls(template=modules[0], modules=modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.shape[0]
-        y = F.group_norm(
-            to_channels(x),
-            b * self.num_groups,
-            None if self.weight is None else self.weight.view(-1),
-            None if self.bias is None else self.bias.view(-1),
-            self.eps,
-        )
-        return from_channels(y, b)
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"models={self.num_models}, groups={self.num_groups}, channels={self.num_channels}"
