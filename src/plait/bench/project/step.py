@@ -250,7 +250,7 @@ def _project_kfac(
 
     from plait.kfac.config import KFACConfig
     from plait.kfac.costs import KFACCosts
-    from plait.kfac.factors import Method, second_order_numel
+    from plait.kfac.factors import second_order_numel
     from plait.kfac.layers import FactorKind
     from plait.kfac.pipeline import FactorComm
     from plait.kfac.placement import (
