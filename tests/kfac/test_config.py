@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from plait.kfac.config import KFACConfig, check_value
+from plait.kfac.config import DEFAULT_INTERVALS, KFACConfig
+from plait.kfac.eigenbasis import Graft, Mode
 from plait.kfac.factors import Method
 from plait.kfac.layers import Approximation
 from plait.kfac.pipeline import FactorComm
@@ -55,17 +56,43 @@ def test_bad_values_name_themselves(kwargs: dict[str, Any], match: str) -> None:
         KFACConfig(**kwargs)
 
 
-def test_callable_schedules_are_checked_when_evaluated() -> None:
-    cfg = KFACConfig(damping=lambda s: 0.1 / (s + 1), inv_interval=lambda s: 1 + s // 10)
-    assert check_value("damping", cfg.damping, 9, low=0.0, low_open=True) == pytest.approx(0.01)
-    assert check_value("inv_interval", cfg.inv_interval, 25) == 3
-    with pytest.raises(ValueError, match="damping"):
-        check_value("damping", lambda s: -1.0, 0, low=0.0, low_open=True)
-    with pytest.raises(ValueError, match="inv_interval"):
-        check_value("inv_interval", lambda s: 0, 0)
-
-
 def test_constants_leave_out_callables_and_name_dtypes() -> None:
     out = KFACConfig(damping=lambda s: 0.1, comm_dtype="fp16").constants()
     assert "damping" not in out and out["comm_dtype"] == "torch.float16"
-    assert out["method"] == "inverse" and out["inv_interval"] == 1
+    # unset: the mode's (K-FAC: Cholesky inverses, every step)
+    assert out["method"] is None and out["inv_interval"] is None
+
+
+def test_the_mode_sets_the_decomposition_and_the_default_intervals() -> None:
+    kfac, ekfac, soap = (KFACConfig(mode=m) for m in ("kfac", "EKFAC", "soap"))
+    assert soap.mode is Mode.SOAP and ekfac.mode is Mode.EKFAC
+    assert kfac.decomposition is Method.INVERSE
+    assert ekfac.decomposition is soap.decomposition is Method.EIGEN
+    assert KFACConfig(method="eigen").decomposition is Method.EIGEN
+    assert (kfac.factor_every, kfac.inv_every) == DEFAULT_INTERVALS[Mode.KFAC] == (1, 1)
+    assert (soap.factor_every, soap.inv_every) == DEFAULT_INTERVALS[Mode.SOAP]
+    assert KFACConfig(mode="soap", inv_interval=3).inv_every == 3
+    # an unset field stays unset, so a preset's copy may change the mode
+    from dataclasses import replace
+
+    assert replace(kfac, mode="soap").decomposition is Method.EIGEN
+    assert KFACConfig(graft="ADAM").graft is Graft.ADAM
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "shampoo"}, "unknown mode 'shampoo'; choose from kfac, ekfac, soap"),
+        ({"mode": "soap", "method": "inverse"}, "needs method=eigen"),
+        ({"mode": "ekfac", "distribution": "mem-opt"}, "comm-opt"),
+        ({"mode": "ekfac", "distribution": "hybrid"}, "comm-opt"),
+        ({"mode": "soap", "graft": "adam"}, "graft applies to kfac and ekfac"),
+        ({"graft": "sgd"}, "unknown graft"),
+        ({"beta1": 1.0}, "beta1"),
+        ({"beta2": -0.1}, "beta2"),
+        ({"eps": 0.0}, "eps"),
+    ],
+)
+def test_bad_mode_settings_name_themselves(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KFACConfig(**kwargs)

@@ -140,9 +140,10 @@ def test_gpt2_conv1d_is_preconditioned_and_the_tied_weight_left_alone() -> None:
     assert {s.layer for s in kfac.pipeline.slots} == set(kfac.layers)
 
 
-def test_conv1d_preconditions_exactly_like_the_equivalent_linear() -> None:
+@pytest.mark.parametrize("mode", ["kfac", "ekfac", "soap"])
+def test_conv1d_preconditions_exactly_like_the_equivalent_linear(mode: str) -> None:
     """A Conv1D and an nn.Linear holding the transposed weight are the same function, so
-    K-FAC must give the same preconditioned gradient (transposed back)."""
+    every mode must give the same new gradient (transposed back)."""
     torch.manual_seed(0)
     conv = transformers.pytorch_utils.Conv1D(5, 3).double()
     lin = nn.Linear(3, 5).double()
@@ -155,7 +156,7 @@ def test_conv1d_preconditions_exactly_like_the_equivalent_linear() -> None:
     x, target = torch.randn(6, 2, 3, dtype=torch.float64), torch.randn(6, 2, 5).double()
     grads = []
     for module in (conv, lin):
-        k = KFAC(module, KFACConfig(kl_clip=None), costs=COSTS)
+        k = KFAC(module, KFACConfig(mode=mode, kl_clip=None), costs=COSTS)
         nn.functional.mse_loss(module(x), target).backward()
         k.step()
         assert module.weight.grad is not None and module.bias.grad is not None

@@ -125,3 +125,33 @@ def test_auto_distribution_follows_the_network() -> None:
     assert choose_distribution(layers, world=1, broadcast_s=lambda n, r: 0.0)[0] is (
         Distribution.COMM_OPT
     )
+
+
+def test_the_provider_replans_for_the_interval_without_a_process_group() -> None:
+    """A slow link: inverting every step, broadcasting every inverse costs more than
+    broadcasting gradients (mem-opt); inverting every 50 steps, the inverses' broadcast is
+    amortised and every worker preconditions (comm-opt). The provider is asked again
+    with each interval, for any world, and answers alike on every rank."""
+    import torch
+    from torch import nn
+
+    from plait.kfac.costs import KFACCosts
+    from plait.kfac.factors import Method
+    from plait.kfac.layers import make_layer
+    from plait.kfac.placement import PlacementProvider
+
+    torch.manual_seed(0)
+    layers = [make_layer(f"l{i}", nn.Linear(256, 256)) for i in range(4)]
+    slow = KFACCosts(link=AlphaBeta.from_rate(1e7), inverse_s_per_n3=1e-9, flop_s=1e-11)
+    provider = PlacementProvider(costs=slow, method=Method.EIGEN,
+                                 distribution=Distribution.AUTO)  # fmt: skip
+    often = provider.plan(layers, world=4, inv_interval=1)  # type: ignore[arg-type]
+    rarely = provider.plan(layers, world=4, inv_interval=50)  # type: ignore[arg-type]
+    assert often.distribution is Distribution.MEM_OPT
+    assert rarely.distribution is Distribution.COMM_OPT
+    assert provider.plan(layers, world=4, inv_interval=50) == rarely  # type: ignore[arg-type]
+    assert PlacementProvider(costs=slow, method=Method.EIGEN).group_size(4) == 4
+    hybrid = PlacementProvider(costs=slow, method=Method.EIGEN, distribution=Distribution.HYBRID,
+                               grad_workers=3)  # fmt: skip
+    with pytest.raises(ValueError, match="grad_workers=3 must divide the world size 4"):
+        hybrid.group_size(4)

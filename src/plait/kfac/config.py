@@ -2,7 +2,7 @@
 
 Every value is checked when the config is built, so bad input fails at once with a message
 naming the problem; a hyper-parameter given as a callable of the step is checked each time
-it is evaluated.
+it is evaluated. Choice fields hold their enums (a name is accepted and converted).
 """
 
 from __future__ import annotations
@@ -14,14 +14,22 @@ from typing import Any
 
 import torch
 
+from plait.kfac.checks import check_float, check_int
+from plait.kfac.costs import KFACCosts
+from plait.kfac.eigenbasis import Graft, Mode
 from plait.kfac.factors import InverseForm, Method
-from plait.kfac.intervals import AUTO
+from plait.kfac.intervals import (
+    AUTO,
+    AutoIntervals,
+    FixedIntervals,
+    IntervalController,
+    IntSchedule,
+)
 from plait.kfac.layers import Approximation
 from plait.kfac.pipeline import FactorComm, FactorSync
-from plait.kfac.placement import Distribution, PlacementPolicy
+from plait.kfac.placement import Distribution, PlacementPolicy, PlacementProvider
 
 ScheduledValue = float | Callable[[int], float]
-IntSchedule = int | Callable[[int], int]
 #: An interval: a constant, a callable of the step, or ``"auto"`` (`plait.kfac.intervals`).
 Interval = IntSchedule | str
 
@@ -39,23 +47,42 @@ def _enum(cls: Any, value: Any, what: str) -> Any:
         raise ValueError(f"unknown {what} {value!r}; choose from {choices}") from None
 
 
+#: The intervals of each mode when none are given: (factor, inversion). K-FAC inverts every
+#: step (its step follows the inverses closely); the eigenbasis modes refresh the basis
+#: every 10 steps, SOAP's published frequency, since their diagonal (EKFAC's moments,
+#: SOAP's Adam) adapts between refreshes. Measured on the GPT at `fast`
+#: (benchmarks/RESULTS.md, "Optimizers"): with these intervals SOAP's step costs
+#: about what AdamW's does.
+DEFAULT_INTERVALS: dict[Mode, tuple[int, int]] = {
+    Mode.KFAC: (1, 1),
+    Mode.EKFAC: (1, 10),
+    Mode.SOAP: (1, 10),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class KFACConfig:
     """K-FAC hyper-parameters and the distributed mechanics.
 
     Attributes:
-        damping: Tikhonov damping gamma (> 0).
+        mode: what the decomposed factors do to a layer's gradient (`plait.kfac.eigenbasis`):
+            ``kfac`` (their damped inverse), ``ekfac`` (their eigenbasis, with a diagonal
+            re-estimated from the projected gradients) or ``soap`` (Adam in their
+            eigenbasis; apply its step with SGD without momentum).
+        damping: Tikhonov damping gamma (> 0); ``soap`` does not use it.
         factor_decay: running-average weight of the old factors, in [0, 1).
-        kl_clip: bound on the step's KL change, ``lr^2 <P, M>`` (None: no clipping).
+        kl_clip: bound on the step's KL change, ``lr^2 <P, M>`` (None: no clipping); the
+            natural-gradient modes without grafting only.
         lr: learning rate used by KL clipping (None: the attached optimizer's).
-        factor_interval: steps between factor updates (>= 1), or ``"auto"``.
-        inv_interval: steps between inversions (>= 1), or ``"auto"``: chosen from the
-            measured base step, factor update and inversion round, as the smallest
-            intervals whose amortised overhead stays within `auto_overhead` of the base
-            step (`plait.kfac.intervals`), the same on every rank, and decided again when
-            a measured cost drifts.
+        factor_interval: steps between factor updates (>= 1), or ``"auto"``; None: the
+            mode's default (`DEFAULT_INTERVALS`).
+        inv_interval: steps between inversions (decompositions, basis refreshes), >= 1, or
+            ``"auto"``: chosen from the measured costs and, when the loss is given to
+            `KFAC.step`, from the loss progress per step at probed intervals
+            (`plait.kfac.intervals`), the same on every rank, per phase of training.
+            None: the mode's default.
         auto_overhead: ``"auto"`` intervals: the overhead budget, a fraction of the base
-            step (> 0).
+            step (> 0), which decides when progress is not measured.
         auto_max_interval: ``"auto"`` intervals: the largest interval chosen (>= 1).
         auto_drift: ``"auto"`` intervals: decide again when a windowed median cost
             moves by more than this factor from the one decided on (> 1).
@@ -63,7 +90,8 @@ class KFACConfig:
         approximation: ``expand`` (every position of a convolution or of a sequence is a
             factor row; KFC) or ``reduce`` (one row per sample: its mean input and summed
             output gradient; far cheaper on convolutions), `plait.kfac.layers`.
-        method: ``inverse`` (Cholesky) or ``eigen``.
+        method: ``inverse`` (Cholesky) or ``eigen``; None: ``eigen`` for the eigenbasis
+            modes (which need it), ``inverse`` for ``kfac``.
         inverse_form: how the inverse method holds a factor: ``cholesky`` (triangular
             factor, solves), ``explicit`` (inverse, products) or ``auto`` (per factor, from
             how often it is used before the next inversion).
@@ -72,37 +100,45 @@ class KFACConfig:
             when inverting; the same factors, fewer bytes).
         packed: symmetric factors are computed and travel as upper triangles, and so do
             the inverse method's results.
-        comm_dtype: factor wire dtype, None/"fp32", "fp16" or "bf16".
+        comm_dtype: factor wire dtype, None (``"fp32"``), float16 or bfloat16 (``"fp16"``,
+            ``"bf16"``).
         bucket_cap_mb: static bucket threshold (MB).
         placement: ``round-robin``, ``greedy`` or ``lpt``.
         local_inversion: invert factors on every worker when cheaper than broadcasting.
         overlap: invert each factor as soon as its bucket arrives (else after all arrive).
         distribution: ``comm-opt``, ``mem-opt``, ``hybrid`` or ``auto`` (the cheapest per
-            step under the alpha-beta and compute models).
+            step under the alpha-beta and compute models). ``ekfac`` needs every worker
+            to hold every basis (its hooks project their rows on them): ``comm-opt``.
         grad_workers: hybrid: workers per gradient-worker block (must divide the world).
         skip_layers: glob patterns of module names or class names to leave alone.
         probe: measure the alpha-beta model at start-up (else assume 1 Gbit/s).
         replan_every: communicating steps between drift checks of the dynamic fusion plan.
+        graft: step-size grafting of ``kfac`` and ``ekfac``: ``none`` or ``adam`` (each
+            layer's step takes the norm of Adam's normalised gradient; KL clipping off).
+        beta1: Adam's first-moment decay (``soap``), in [0, 1).
+        beta2: Adam's second-moment decay (``soap``, ``adam`` grafting), in [0, 1).
+        eps: Adam's denominator epsilon (> 0).
     """
 
+    mode: Mode = Mode.KFAC
     damping: ScheduledValue = 1e-3
     factor_decay: ScheduledValue = 0.95
     kl_clip: ScheduledValue | None = 1e-3
     lr: ScheduledValue | None = None
-    factor_interval: Interval = 1
-    inv_interval: Interval = 1
-    approximation: Approximation | str = Approximation.EXPAND
-    method: Method | str = Method.INVERSE
-    inverse_form: InverseForm | str = InverseForm.AUTO
-    comm: FactorComm | str = FactorComm.DYNAMIC
-    sync: FactorSync | str = FactorSync.EAGER
+    factor_interval: Interval | None = None
+    inv_interval: Interval | None = None
+    approximation: Approximation = Approximation.EXPAND
+    method: Method | None = None
+    inverse_form: InverseForm = InverseForm.AUTO
+    comm: FactorComm = FactorComm.DYNAMIC
+    sync: FactorSync = FactorSync.EAGER
     packed: bool = True
-    comm_dtype: torch.dtype | str | None = None
+    comm_dtype: torch.dtype | None = None
     bucket_cap_mb: float = 25.0
-    placement: PlacementPolicy | str = PlacementPolicy.LPT
+    placement: PlacementPolicy = PlacementPolicy.LPT
     local_inversion: bool = True
     overlap: bool = True
-    distribution: Distribution | str = Distribution.COMM_OPT
+    distribution: Distribution = Distribution.COMM_OPT
     grad_workers: int | None = None
     skip_layers: tuple[str, ...] = ()
     probe: bool = True
@@ -111,11 +147,18 @@ class KFACConfig:
     auto_max_interval: int = 100
     auto_drift: float = 2.0
     auto_window: int = 20
+    graft: Graft = Graft.NONE
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
+        set_("mode", _enum(Mode, self.mode, "mode"))
+        set_("graft", _enum(Graft, self.graft, "graft"))
         set_("approximation", _enum(Approximation, self.approximation, "approximation"))
-        set_("method", _enum(Method, self.method, "method"))
+        if self.method is not None:
+            set_("method", _enum(Method, self.method, "method"))
         set_("inverse_form", _enum(InverseForm, self.inverse_form, "inverse_form"))
         set_("comm", _enum(FactorComm, self.comm, "factor communication"))
         set_("sync", _enum(FactorSync, self.sync, "factor sync"))
@@ -136,10 +179,10 @@ class KFACConfig:
             value = getattr(self, name)
             if isinstance(value, str) and value.lower() == AUTO:
                 set_(name, AUTO)
-            else:
+            elif value is not None:
                 check_int(name, value)
-        if self.auto_intervals and not (
-            isinstance(self.factor_interval, int | str) and isinstance(self.inv_interval, int | str)
+        if self.auto_intervals and not all(
+            isinstance(v, int | str) for v in (self.factor_every, self.inv_every)
         ):
             raise ValueError('"auto" intervals cannot be combined with a schedule callable')
         if not self.auto_overhead > 0:
@@ -154,11 +197,81 @@ class KFACConfig:
             raise ValueError(f"grad_workers must be >= 1, got {self.grad_workers}")
         if self.replan_every < 1:
             raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
+        self._check_mode()
+
+    def _check_mode(self) -> None:
+        for name in ("beta1", "beta2"):
+            check_float(name, getattr(self, name), low=0.0, high=1.0)
+        check_float("eps", self.eps, low=0.0, low_open=True)
+        if self.mode.eigenbasis and self.method is Method.INVERSE:
+            raise ValueError(
+                f"mode {self.mode} works in the factors' eigenbases: it needs method=eigen "
+                "(or leave method unset)"
+            )
+        if self.mode is Mode.EKFAC and self.distribution in (
+            Distribution.MEM_OPT, Distribution.HYBRID
+        ):  # fmt: skip
+            raise ValueError(
+                "mode ekfac projects every worker's factor rows on the eigenbases, so every "
+                f"worker holds them: distribution comm-opt (or auto), not {self.distribution}"
+            )
+        if self.mode is Mode.SOAP and self.graft is not Graft.NONE:
+            raise ValueError("mode soap is Adam in the eigenbasis: its step size is Adam's, "
+                             "graft applies to kfac and ekfac")  # fmt: skip
+
+    @property
+    def decomposition(self) -> Method:
+        """The decomposition in force: `method`, else the mode's (eigen for eigenbases)."""
+        if self.method is not None:
+            return self.method
+        return Method.EIGEN if self.mode.eigenbasis else Method.INVERSE
+
+    @property
+    def factor_every(self) -> Interval:
+        """The factor interval in force (`factor_interval`, else the mode's default)."""
+        if self.factor_interval is not None:
+            return self.factor_interval
+        return DEFAULT_INTERVALS[self.mode][0]
+
+    @property
+    def inv_every(self) -> Interval:
+        """The inversion interval in force (`inv_interval`, else the mode's default)."""
+        if self.inv_interval is not None:
+            return self.inv_interval
+        return DEFAULT_INTERVALS[self.mode][1]
 
     @property
     def auto_intervals(self) -> bool:
         """Whether either interval is chosen by `plait.kfac.intervals`."""
         return AUTO in (self.factor_interval, self.inv_interval)
+
+    def controller(self) -> IntervalController:
+        """The interval policy these settings ask for: `AutoIntervals` where an interval is
+        ``"auto"`` (a constant beside it stays fixed), else `FixedIntervals`."""
+        f, i = self.factor_every, self.inv_every
+        if not self.auto_intervals:
+            return FixedIntervals(f, i)  # type: ignore[arg-type]
+        return AutoIntervals(
+            factor=f if isinstance(f, int) else None,
+            inv=i if isinstance(i, int) else None,
+            lazy=self.sync is FactorSync.LAZY,
+            rho=self.auto_overhead,
+            max_interval=self.auto_max_interval,
+            drift=self.auto_drift,
+            window=self.auto_window,
+        )
+
+    def placement_provider(self, costs: KFACCosts) -> PlacementProvider:
+        """The placement policy these settings ask for, priced with `costs` (EKFAC's
+        ``auto`` distribution is comm-opt: every worker projects on every basis)."""
+        distribution = self.distribution
+        if self.mode is Mode.EKFAC:
+            distribution = Distribution.COMM_OPT
+        return PlacementProvider(
+            costs=costs, method=self.decomposition, packed=self.packed, policy=self.placement,
+            distribution=distribution, grad_workers=self.grad_workers,
+            local_inversion=self.local_inversion,
+        )  # fmt: skip
 
     def constants(self) -> dict[str, Any]:
         """The plain-valued settings (for reports and checkpoints)."""
@@ -169,34 +282,3 @@ class KFACConfig:
                 continue
             out[f.name] = str(v) if isinstance(v, torch.dtype) else v
         return out
-
-
-def check_float(
-    name: str, value: Any, *, low: float, high: float | None = None, low_open: bool = False
-) -> None:
-    if callable(value):
-        return
-    v = float(value)
-    bad = v < low or (low_open and v <= low) or (high is not None and v >= high)
-    if bad:
-        rng = f"{'>' if low_open else '>='} {low}" + (f" and < {high}" if high is not None else "")
-        raise ValueError(f"{name} must be {rng}, got {value}")
-
-
-def check_int(name: str, value: Any) -> None:
-    if callable(value):
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_value(name: str, schedule: Any, step: int, **check: Any) -> Any:
-    """A hyper-parameter at `step`, validated when it comes from a callable."""
-    if not callable(schedule):
-        return schedule
-    v = schedule(step)
-    if name.endswith("interval"):
-        check_int(name, v)
-    else:
-        check_float(name, v, **check)
-    return v

@@ -74,16 +74,19 @@ class WireLayout:
         return pack(factor, shape) if self.packed else factor.reshape(-1)
 
     def upper(self, flat: torch.Tensor, shape: FactorShape) -> torch.Tensor:
-        """A matrix whose upper triangle is the factor (all the decompositions read)."""
+        """A matrix whose upper triangle is the factor (all the decompositions read); a
+        rectangular statistic as [groups, dim, cols], a view of `flat`."""
         if shape.diagonal:
             return flat
+        if shape.cols is not None:
+            return flat.view(shape.groups, shape.dim, shape.cols)
         if self.packed:
             return unpack(flat, shape, mirror=False)
         return flat.view(shape.groups, shape.dim, shape.dim)
 
     def full(self, flat: torch.Tensor, shape: FactorShape) -> torch.Tensor:
         """A symmetric matrix (mirrored from its upper triangle when packed)."""
-        if shape.diagonal or not self.packed:
+        if shape.diagonal or not self.packed or shape.cols is not None:
             return self.upper(flat, shape)
         return unpack(flat, shape)
 
@@ -213,6 +216,29 @@ def decompose(
                        values=vals.clamp(min=0))  # fmt: skip
 
 
+def to_basis(m: torch.Tensor, a: SecondOrder, g: SecondOrder) -> torch.Tensor:
+    """``Q_G^T M Q_A``: a [groups, g_dim, a_dim] matrix in the layer's Kronecker eigenbasis
+    (a diagonal A's basis is the identity)."""
+    assert g.basis is not None
+    v = torch.matmul(g.basis.transpose(-1, -2), m)
+    return v if a.basis is None else torch.matmul(v, a.basis)
+
+
+def from_basis(v: torch.Tensor, a: SecondOrder, g: SecondOrder) -> torch.Tensor:
+    """``Q_G V Q_A^T``: the inverse of `to_basis` (the bases are orthogonal)."""
+    assert g.basis is not None
+    m = torch.matmul(g.basis, v)
+    return m if a.basis is None else torch.matmul(m, a.basis.transpose(-1, -2))
+
+
+def eigenvalue_products(a: SecondOrder, g: SecondOrder) -> torch.Tensor:
+    """``lambda_G lambda_A^T`` [groups, g_dim, a_dim]: the Kronecker product's eigenvalues,
+    which K-FAC's eigen method divides by (and EKFAC starts from)."""
+    assert a.values is not None and g.values is not None
+    a_vals = a.values if a.shape.diagonal else a.values.unsqueeze(-2)
+    return g.values.unsqueeze(-1) * a_vals
+
+
 def precondition(grad: torch.Tensor, a: SecondOrder, g: SecondOrder) -> torch.Tensor:
     """``(G (x) A)^-1`` applied to a [groups, g_dim, a_dim] gradient matrix."""
     if a.method is Method.INVERSE:
@@ -231,16 +257,32 @@ def precondition(grad: torch.Tensor, a: SecondOrder, g: SecondOrder) -> torch.Te
             )
         assert a.inverse is not None
         return out * a.inverse if a.shape.diagonal else torch.matmul(out, a.inverse)
-    assert a.values is not None and g.values is not None and g.basis is not None
-    v = torch.matmul(g.basis.transpose(-1, -2), grad)
-    if a.basis is not None:
-        v = torch.matmul(v, a.basis)
-    a_vals = a.values if a.shape.diagonal else a.values.unsqueeze(-2)
-    v = v / (g.values.unsqueeze(-1) * a_vals + a.damping)
-    v = torch.matmul(g.basis, v)
-    if a.basis is not None:
-        v = torch.matmul(v, a.basis.transpose(-1, -2))
-    return v
+    return from_basis(to_basis(grad, a, g) / (eigenvalue_products(a, g) + a.damping), a, g)
+
+
+def explicit_form(form: InverseForm, method: Method, *, dim: int, partner: int, uses: int) -> bool:
+    """Whether the inverse method keeps a factor of side `dim` as an explicit inverse.
+
+    AUTO weighs one worker's work between two inversions: the Cholesky form saves an
+    explicit inversion (~n^3) and costs slower solves (~n^2 m more, m the `partner` side)
+    at every one of the `uses` steps until the next inversion. The two forms round
+    differently, so the rule reads the model and the settings only, never the placement:
+    placement follows measured timings, and a job must train to the same bits whatever it
+    measured (alone or co-located, first run or resumed).
+    """
+    if form is not InverseForm.AUTO or method is not Method.INVERSE:
+        return form is InverseForm.EXPLICIT
+    return uses * partner >= EXPLICIT_PAYOFF * dim
+
+
+#: An explicit inverse of side n pays once ``uses * m >= EXPLICIT_PAYOFF * n`` (m: the partner
+#: side it is multiplied with). From the per-layer kernel tables on one core
+#: (benchmarks/kfac/kernels-*, A and G timed together), the break-even ratio is 0.4-0.8 for
+#: ResNet-18's layers up to 1152 wide, about 1 for the GPT's, and 1-2 for ResNet-18's
+#: 2304-4608 wide ones. 0.7 fits the narrow layers and leans to the explicit form for the
+#: widest: a 4608 factor reused 7 to 18 times gets the explicit form although the Cholesky
+#: one would be cheaper (by up to about 15% of the decompositions and solves).
+EXPLICIT_PAYOFF = 0.7
 
 
 def kl_clip_scale(

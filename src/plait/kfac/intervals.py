@@ -49,13 +49,24 @@ a factor `drift` (default 2) from the one of the last decision.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from plait.kfac.checks import check_int, check_value
 
 logger = logging.getLogger(__name__)
 
 #: The value of `KFACConfig.factor_interval` / `inv_interval` asking for this rule.
 AUTO = "auto"
+
+#: An interval given as a constant or as a callable of the step.
+IntSchedule = int | Callable[[int], int]
 
 #: Steps at intervals (1, 1) before the probe, and left out of the measurements: step 0
 #: pays one-time costs (the buckets and placement are planned, on a 6-8-3 MLP its
@@ -304,3 +315,416 @@ class IntervalPlanner:
             if not 1 / self.drift <= now / ref <= self.drift:
                 return True
         return False
+
+
+# ---------------------------------------------------------------------------- progress
+#: Candidates of a progress probe are the decided inversion interval and its neighbours
+#: on this geometric ladder (``c / LADDER``, ``c``, ``c * LADDER``).
+LADDER = 2
+
+#: The first probe's centre: inversion intervals 1, 2 and 4, in blocks of 4 steps.
+FIRST_CENTRE = 2
+
+#: A probe's rates inform a decision when the best one exceeds this many standard errors
+#: (about 97.7% one-sided under normal noise); below, the cost budget decides alone.
+Z_INFORMED = 2.0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step does: update the factors, invert them, under which intervals."""
+
+    factor: bool
+    inversion: bool
+    intervals: Intervals
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSample:
+    """One step as measured on this worker (what `IntervalController.observe` is shown).
+
+    Attributes:
+        total_s: the whole step, from its first hooked forward to the end of K-FAC's step.
+        factor_s: K-FAC's timed factor work, on a step that updated the factors.
+        inversion_s: the timed inversion round, on a step that inverted.
+        loss: the step's training loss on this worker (None: not given).
+    """
+
+    total_s: float
+    factor_s: float | None = None
+    inversion_s: float | None = None
+    loss: float | None = None
+
+
+#: Agrees numbers over the ranks (``"max"`` or ``"mean"``): a collective, which a
+#: controller calls only at steps every rank reaches together, with lists of equal length.
+Agree = Callable[[list[float], str], list[float]]
+
+#: The priced costs to fall back on before measuring, given a base step (`KFAC.step_costs`).
+Priced = Callable[[float], StepCosts]
+
+
+def step_time_s(costs: StepCosts, iv: Intervals) -> float:
+    """Seconds per step at intervals `iv`: the base step plus the amortised overhead."""
+    return costs.base_step_s + overhead_s(costs, iv.factor, iv.inv)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Loss decrease per step under each candidate of a probe, with standard errors."""
+
+    rates: tuple[float, ...]
+    stderr: tuple[float, ...]
+
+    @property
+    def informed(self) -> bool:
+        """Whether the best rate stands out from the noise (`Z_INFORMED`)."""
+        best = max(range(len(self.rates)), key=lambda k: self.rates[k])
+        return self.rates[best] > Z_INFORMED * self.stderr[best]
+
+
+def fit_progress(losses: Sequence[float], which: Sequence[int], candidates: int) -> Progress | None:
+    """Each candidate's loss decrease per step, from a probe's training losses.
+
+    The loss before step t is modelled as ``c - sum_k d_k n_k(t) + e (t - t_mid)^2``, with
+    ``n_k(t)`` the updates made under candidate k before step t: every step moves the loss
+    by its candidate's rate, and the shared quadratic term takes the curve's common
+    slowing down, so ``d_k`` is candidate k's rate at the probe's midpoint. Blocks run in a
+    palindrome (A B C C B A), which makes the rates nearly orthogonal to that drift. Least
+    squares; standard errors from the residuals.
+
+    Args:
+        losses: the training loss at each probe step (before its update).
+        which: the candidate index of each step's update.
+        candidates: the number of candidates.
+
+    Returns:
+        None when a loss is missing (NaN) or the probe is too short to fit.
+    """
+    t_count = len(losses)
+    if t_count != len(which) or t_count < candidates + 3:
+        return None
+    y = np.asarray(losses, dtype=np.float64)
+    if not np.all(np.isfinite(y)):
+        return None
+    x = np.zeros((t_count, candidates + 2))
+    counts = np.zeros(candidates)
+    mid = (t_count - 1) / 2
+    for t in range(t_count):
+        x[t, 0] = 1.0
+        x[t, 1 : candidates + 1] = -counts
+        x[t, -1] = (t - mid) ** 2
+        counts[which[t]] += 1
+    if np.linalg.matrix_rank(x) < x.shape[1]:
+        return None
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ coef
+    dof = max(t_count - x.shape[1], 1)
+    cov = float(resid @ resid) / dof * np.linalg.inv(x.T @ x)
+    se = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    return Progress(
+        rates=tuple(float(v) for v in coef[1 : candidates + 1]),
+        stderr=tuple(float(v) for v in se[1 : candidates + 1]),
+    )
+
+
+def choose_by_progress(
+    costs: StepCosts,
+    candidates: Sequence[Intervals],
+    progress: Progress | None,
+    *,
+    rho: float = 0.25,
+    max_interval: int = 100,
+    factor: int | None = None,
+    inv: int | None = None,
+) -> Intervals:
+    """The candidate with the most loss decrease per second, when the probe saw one.
+
+    Time per unit of progress is ``step_time(f, i) / rate(f, i)``: the cost side alone
+    (`choose_intervals`) assumes the rate flat in the intervals, which the GPT at lr 0.1
+    refuted (its loss fell half as fast per step with rounds every 3 steps as every step).
+    Without an informed measurement (no losses given, or progress lost in the noise) the
+    cost budget decides, as before.
+    """
+    if progress is None or not progress.informed:
+        return choose_intervals(costs, rho=rho, max_interval=max_interval, factor=factor, inv=inv)
+    per_s = [
+        r / max(step_time_s(costs, c), 1e-12)
+        for r, c in zip(progress.rates, candidates, strict=True)
+    ]
+    best = max(range(len(candidates)), key=lambda k: (per_s[k], -k))
+    return candidates[best]
+
+
+def ladder(centre: int, *, max_interval: int, unit: int = 1) -> list[int]:
+    """Inversion intervals around `centre`: ``centre / LADDER, centre, centre * LADDER``,
+    multiples of `unit` (a fixed factor interval) within ``unit .. max_interval``."""
+    out: list[int] = []
+    for raw in (centre // LADDER, centre, centre * LADDER):
+        i = max(unit, min(max_interval, raw // unit * unit))
+        if i not in out:
+            out.append(i)
+    return out
+
+
+# ---------------------------------------------------------------------------- controllers
+class IntervalController(ABC):
+    """Policy: which steps update the factors and which invert them.
+
+    `KFAC` asks `plan` once per step, shows each finished step to `observe`, then calls
+    `update`, which may agree numbers over the ranks (a collective, so only at steps
+    every rank reaches together) and returns new intervals when the decision changes. It
+    re-plans placement whenever `decided` changes. No process group, clock or model: a
+    test drives a controller with synthetic steps.
+    """
+
+    @abstractmethod
+    def plan(self, step: int) -> StepPlan:
+        """The kinds of step `step` is (a pure function of the decisions so far)."""
+
+    @property
+    @abstractmethod
+    def decided(self) -> Intervals:
+        """The intervals in force outside probes (the ones placement is planned for)."""
+
+    def observe(self, step: int, sample: StepSample) -> None:  # noqa: B027
+        """Record a finished step."""
+
+    def update(self, step: int, agree: Agree, priced: Priced) -> Intervals | None:
+        """Decide after `step` if due; the new decided intervals, or None if unchanged."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"intervals": [self.decided.factor, self.decided.inv]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027
+        """Restore `state_dict` output."""
+
+
+class FixedIntervals(IntervalController):
+    """Constant intervals, or callables of the step (checked each time they are read).
+
+    Args:
+        factor: steps between factor updates.
+        inv: steps between inversions.
+    """
+
+    def __init__(self, factor: IntSchedule = 1, inv: IntSchedule = 1) -> None:
+        check_int("factor_interval", factor)
+        check_int("inv_interval", inv)
+        self.factor, self.inv = factor, inv
+        self._last = self._at(0)
+
+    def _at(self, step: int) -> Intervals:
+        return Intervals(
+            int(check_value("factor_interval", self.factor, step)),
+            int(check_value("inv_interval", self.inv, step)),
+        )
+
+    def plan(self, step: int) -> StepPlan:
+        iv = self._at(step)
+        self._last = iv
+        return StepPlan(factor=step % iv.factor == 0, inversion=step % iv.inv == 0, intervals=iv)
+
+    @property
+    def decided(self) -> Intervals:
+        return self._last
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A stretch of a probe at one candidate's intervals, starting with an inversion."""
+
+    start: int
+    stop: int
+    index: int
+    intervals: Intervals
+
+
+class AutoIntervals(IntervalController):
+    """``"auto"`` intervals: time and progress, per phase of training.
+
+    After `WARMUP_STEPS` steps at (1, 1), a probe runs blocks of candidate intervals in a
+    palindrome (inversion intervals 1, 2, 4 the first time, then the decided one and its
+    neighbours on the `LADDER`), each block starting with an inversion round and as long
+    as the longest candidate's interval. It times every kind of step (the costs by
+    difference of `IntervalPlanner`) and, when losses are given, fits each candidate's
+    loss decrease per step (`fit_progress`). The decision takes the most progress per
+    second (`choose_by_progress`), or the cost budget when progress was not measurable.
+    Phases double: the next probe starts after twice the steps trained so far (at least
+    twice the probe's length), and between probes a drift of the measured costs re-decides
+    with the last progress measured. A fixed inversion interval leaves only the factor
+    interval to the costs (one probe of `PROBE_ROUNDS` rounds, as `probe_intervals`).
+
+    Args:
+        factor: a fixed factor interval (None: chosen).
+        inv: a fixed inversion interval (None: chosen).
+        lazy: factors are exchanged only to be inverted (`FactorSync.LAZY`).
+        rho, max_interval, drift, window: as `IntervalPlanner`.
+    """
+
+    def __init__(
+        self,
+        *,
+        factor: int | None = None,
+        inv: int | None = None,
+        lazy: bool = False,
+        rho: float = 0.25,
+        max_interval: int = 100,
+        drift: float = 2.0,
+        window: int = 20,
+    ) -> None:
+        self.fixed_factor, self.fixed_inv, self.lazy = factor, inv, lazy
+        self.planner = IntervalPlanner(rho=rho, max_interval=max_interval, drift=drift,
+                                       window=window)  # fmt: skip
+        self._decided = Intervals(factor or 1, inv or 1)
+        self._anchor = 0
+        self._blocks: list[_Block] = []
+        self._candidates: list[Intervals] = []
+        self._losses: dict[int, float] = {}
+        self._next_probe = WARMUP_STEPS
+        self._since = 0
+        self.progress: Progress | None = None
+        #: (step, decided intervals, progress or None) of every decision, for reports
+        self.history: list[tuple[int, Intervals, Progress | None]] = []
+
+    @property
+    def decided(self) -> Intervals:
+        return self._decided
+
+    @property
+    def probing(self) -> bool:
+        return bool(self._blocks)
+
+    def plan(self, step: int) -> StepPlan:
+        if step < WARMUP_STEPS:
+            return StepPlan(factor=True, inversion=True, intervals=Intervals(1, 1))
+        iv, anchor = self._decided, self._anchor
+        block = self._block(step)
+        if block is not None:
+            iv, anchor = block.intervals, block.start
+        rel = step - anchor
+        return StepPlan(factor=rel % iv.factor == 0, inversion=rel % iv.inv == 0, intervals=iv)
+
+    def _block(self, step: int) -> _Block | None:
+        for b in self._blocks:
+            if b.start <= step < b.stop:
+                return b
+        return None
+
+    def observe(self, step: int, sample: StepSample) -> None:
+        if step < WARMUP_STEPS:
+            return
+        self.planner.observe(sample.total_s, factor_s=sample.factor_s,
+                             inversion_s=sample.inversion_s)  # fmt: skip
+        if self._block(step) is not None:
+            self._losses[step] = math.nan if sample.loss is None else float(sample.loss)
+
+    # ------------------------------------------------------------------ decisions
+    def _factor_for(self, inv: int, costs: StepCosts | None) -> int:
+        if self.fixed_factor is not None:
+            return self.fixed_factor
+        if costs is None:  # the first probe: every kind of step, before any cost is known
+            return 1 if self.lazy else max(1, inv // 2)
+        # the smallest divisor within the budget, else the cheapest (the inversion's part
+        # of the overhead is the same for all)
+        budget = self.planner.rho * costs.base_step_s
+        divisors = [f for f in range(1, inv + 1) if inv % f == 0]
+        return next((f for f in divisors if overhead_s(costs, f, inv) <= budget), inv)
+
+    def _start_probe(self, step: int, costs: StepCosts | None) -> None:
+        if self.fixed_inv is not None:
+            iv = probe_intervals(self.fixed_factor, self.fixed_inv, lazy=self.lazy)
+            self._candidates = [iv]
+            self._blocks = [_Block(step, step + PROBE_ROUNDS * iv.inv, 0, iv)]
+            return
+        unit = self.fixed_factor or 1
+        centre = FIRST_CENTRE * unit if costs is None else self._decided.inv
+        invs = ladder(centre, max_interval=self.planner.max_interval,
+                      unit=self.fixed_factor or 1)  # fmt: skip
+        self._candidates = [Intervals(self._factor_for(i, costs), i) for i in invs]
+        length = max(invs)
+        order = list(range(len(invs))) + list(reversed(range(len(invs))))
+        self._blocks = [
+            _Block(step + j * length, step + (j + 1) * length, k, self._candidates[k])
+            for j, k in enumerate(order)
+        ]
+        self._losses = {}
+
+    def update(self, step: int, agree: Agree, priced: Priced) -> Intervals | None:
+        nxt = step + 1
+        if self._blocks:
+            if nxt < self._blocks[-1].stop:
+                return None
+            return self._decide_after_probe(nxt, agree, priced)
+        first = self.planner.decided_on is None
+        if nxt >= self._next_probe and (first or self.fixed_inv is None):
+            self._start_probe(nxt, None if first else self.planner.decided_on)
+            return None
+        self._since += 1
+        if self.planner.decided_on is None or self._since < self.planner.window:
+            return None
+        self._since = 0
+        costs = self._costs(agree, priced)
+        if costs.base_step_s <= 0 or not self.planner.drifted(costs):
+            return None
+        logger.info("K-FAC's measured costs drifted: deciding the intervals again")
+        self.planner.decided_on = costs
+        return self._set(nxt, self._choose(costs, self.progress), progress=self.progress)
+
+    def _costs(self, agree: Agree, priced: Priced) -> StepCosts:
+        c = self.planner.costs(priced(self.planner.median() or 0.0))
+        got = agree([c.base_step_s, c.factor_s, c.inversion_s], "max")
+        return StepCosts(base_step_s=got[0], factor_s=got[1], inversion_s=got[2])
+
+    def _choose(self, costs: StepCosts, progress: Progress | None) -> Intervals:
+        return choose_by_progress(
+            costs, self._candidates, progress, rho=self.planner.rho,
+            max_interval=self.planner.max_interval, factor=self.fixed_factor, inv=self.fixed_inv,
+        )  # fmt: skip
+
+    def _decide_after_probe(self, nxt: int, agree: Agree, priced: Priced) -> Intervals | None:
+        blocks, self._blocks = self._blocks, []
+        costs = self._costs(agree, priced)
+        progress = None
+        if len(self._candidates) > 1:
+            steps = [t for b in blocks for t in range(b.start, b.stop)]
+            losses = agree([self._losses.get(t, math.nan) for t in steps], "mean")
+            which = [b.index for b in blocks for _ in range(b.start, b.stop)]
+            progress = fit_progress(losses, which, len(self._candidates))
+            if progress is not None:
+                # the probe's rates are those of its candidates' intervals, and they are
+                # re-costed at each drift with the candidates they belong to
+                self.progress = progress
+            # re-price each candidate's factor interval now that the costs are measured
+            self._candidates = [Intervals(self._factor_for(c.inv, costs), c.inv)
+                                for c in self._candidates]  # fmt: skip
+        self.planner.decided_on = costs
+        probe_len = blocks[-1].stop - blocks[0].start
+        self._next_probe = nxt + max(2 * probe_len, nxt)
+        return self._set(nxt, self._choose(costs, progress), progress=progress)
+
+    def _set(self, nxt: int, iv: Intervals, *, progress: Progress | None) -> Intervals | None:
+        self.planner.decided = iv
+        self._since = 0
+        self._anchor = nxt
+        old, self._decided = self._decided, iv
+        self.history.append((nxt, iv, progress))
+        c = self.planner.decided_on
+        logger.info(
+            "K-FAC intervals from step %d: factor=%d, inv=%d (base step %.3g s, factor update "
+            "%.3g s, inversions %.3g s%s)", nxt, iv.factor, iv.inv,
+            c.base_step_s if c else 0.0, c.factor_s if c else 0.0, c.inversion_s if c else 0.0,
+            "" if progress is None else ", loss per step "
+            + ", ".join(f"{r:.3g}" for r in progress.rates),
+        )  # fmt: skip
+        return iv if iv != old else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"intervals": [self._decided.factor, self._decided.inv]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The intervals decided when saved, until a new probe (right away: the link and
+        the phase of training may differ after a resume)."""
+        if "intervals" in state:
+            self._decided = Intervals(*map(int, state["intervals"]))

@@ -59,28 +59,42 @@ class Approximation(StrEnum):
 
 
 class FactorKind(StrEnum):
-    """The two Kronecker factors of a layer."""
+    """The two Kronecker factors of a layer, and EKFAC's statistic that travels with them."""
 
     A = "A"  # inputs (activations)
     G = "G"  # output gradients
+    #: EKFAC's eigenvalue correction: the second moments of each row's gradient projected
+    #: on the eigenbases, [groups, g_dim, a_dim] (`KFACLayer.scale_sum`)
+    S = "S"
+
+
+#: The Kronecker factors proper (what is decomposed and placed).
+FACTORS = (FactorKind.A, FactorKind.G)
 
 
 @dataclass(frozen=True, kw_only=True)
 class FactorShape:
-    """Shape of one factor: `groups` square blocks of side `dim`, or a diagonal."""
+    """Shape of one factor: `groups` square blocks of side `dim`, or a diagonal; with
+    `cols`, `groups` rectangular blocks [dim, cols] (EKFAC's statistic: never symmetric,
+    never packed)."""
 
     dim: int
     groups: int = 1
     diagonal: bool = False
+    cols: int | None = None
 
     @property
     def dense_numel(self) -> int:
-        return self.dim if self.diagonal else self.groups * self.dim * self.dim
+        if self.diagonal:
+            return self.dim
+        return self.groups * self.dim * (self.dim if self.cols is None else self.cols)
 
     @property
     def packed_numel(self) -> int:
         """Elements of the upper triangles (what a symmetric factor needs on the wire)."""
-        return self.dim if self.diagonal else self.groups * triangle.packed_numel(self.dim)
+        if self.diagonal or self.cols is not None:
+            return self.dense_numel
+        return self.groups * triangle.packed_numel(self.dim)
 
     @property
     def inverse_cost(self) -> float:
@@ -114,6 +128,9 @@ class KFACLayer(ABC):
     def g_shape(self) -> FactorShape: ...
 
     def shape(self, kind: FactorKind) -> FactorShape:
+        if kind is FactorKind.S:
+            return FactorShape(dim=self.g_shape.dim, groups=self.g_shape.groups,
+                               cols=self.a_shape.dim)  # fmt: skip
         return self.a_shape if kind is FactorKind.A else self.g_shape
 
     @abstractmethod
@@ -158,6 +175,30 @@ class KFACLayer(ABC):
         `reduce`: K-FAC-reduce (one row per sample of the `batch_size`)."""
         rows = (self.g_reduced if reduce else self.g_rows)(grad_output, batch_size)
         return _outer_sum(rows, packed=packed), rows.shape[1]
+
+    def scale_sum(
+        self,
+        inputs: torch.Tensor,
+        grad_output: torch.Tensor,
+        batch_size: int,
+        *,
+        a_basis: torch.Tensor | None,
+        g_basis: torch.Tensor,
+        reduce: bool = False,
+    ) -> FactorSum:
+        """EKFAC's statistic: the sum over rows of ``(Q_G^T g)^2 (Q_A^T a)^2^T``, flat.
+
+        Each row's gradient ``g a^T`` projected on the eigenbases is ``(Q_G^T g)(Q_A^T a)^T``,
+        so its elementwise square is the outer product of the squared projections: the
+        second moments of the projected gradient (George et al., 2018) cost two projections
+        and one product, never a per-row gradient. `a_basis` None: the A side's basis is
+        the identity (a diagonal factor). Rows as `a_sum` and `g_sum` form them.
+        """
+        a = self.a_reduced(inputs, batch_size) if reduce else self.a_rows(inputs)
+        g = (self.g_reduced if reduce else self.g_rows)(grad_output, batch_size)
+        a2 = (a if a_basis is None else torch.matmul(a, a_basis)).square()
+        g2 = torch.matmul(g, g_basis).square()
+        return torch.matmul(g2.transpose(-1, -2), a2).reshape(-1), a.shape[1]
 
     @abstractmethod
     def grad_matrix(self) -> torch.Tensor | None:
@@ -419,6 +460,25 @@ class EmbeddingLayer(KFACLayer):
 
     def g_rows(self, grad_output: torch.Tensor, batch_size: int) -> torch.Tensor:
         return _g_rows(grad_output.reshape(-1, grad_output.shape[-1]), batch_size, 1)
+
+    def scale_sum(
+        self,
+        inputs: torch.Tensor,
+        grad_output: torch.Tensor,
+        batch_size: int,
+        *,
+        a_basis: torch.Tensor | None,
+        g_basis: torch.Tensor,
+        reduce: bool = False,
+    ) -> FactorSum:
+        """A one-hot row projects on the identity basis as itself, so each row's squared
+        projected gradient lands in its token's column (no one-hot matrix is built)."""
+        assert not reduce and a_basis is None, "an embedding's A is a diagonal"
+        idx = inputs.reshape(-1)
+        g2 = torch.matmul(self.g_rows(grad_output, batch_size), g_basis).square()[0]
+        total = g2.new_zeros(self.module.embedding_dim, self.module.num_embeddings)
+        total.index_add_(1, idx, g2.t())
+        return total.reshape(-1), idx.numel()
 
     def grad_matrix(self) -> torch.Tensor | None:
         w = self.module.weight.grad

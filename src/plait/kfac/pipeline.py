@@ -471,6 +471,7 @@ class FactorPipeline:
                     "dim": s.shape.dim,
                     "groups": s.shape.groups,
                     "diagonal": s.shape.diagonal,
+                    "cols": s.shape.cols,
                     "uses": s.uses,
                 }
                 for s in self.slots
@@ -494,7 +495,8 @@ class FactorPipeline:
         self._index.clear()
         offset = 0
         for pos, d in enumerate(state["slots"]):
-            shape = FactorShape(dim=d["dim"], groups=d["groups"], diagonal=d["diagonal"])
+            shape = FactorShape(dim=d["dim"], groups=d["groups"], diagonal=d["diagonal"],
+                                cols=d.get("cols"))  # fmt: skip
             numel = self.layout.numel(shape)
             self.slots.append(Slot(index=pos, key=d["key"], layer=d["layer"],
                                    kind=FactorKind(d["kind"]), shape=shape, offset=offset,

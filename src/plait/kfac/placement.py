@@ -383,3 +383,63 @@ def plan_placement(
         inv_interval=inv_interval,
     )
     return Placement(distribution=distribution, assignment=asg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementProvider:
+    """The placement policy `KFAC` is handed: prices and settings, asked for a placement
+    at the first step and again whenever the intervals change (the inversion interval
+    weighs inversion against preconditioning and against broadcasting). A pure function
+    of its fields and arguments, so every rank asked with the same arguments places alike,
+    and a test asks it for any world size without a process group.
+
+    Attributes:
+        costs: link and compute prices.
+        method: the decomposition (its result sizes and preconditioning cost differ).
+        packed: whether inverse-method results travel as triangles.
+        policy: round-robin, greedy or lpt.
+        distribution: comm-opt, mem-opt, hybrid, or auto (the cheapest under `costs`).
+        grad_workers: hybrid block size (None: half the world).
+        local_inversion: let every worker invert what is cheaper than receiving it.
+    """
+
+    costs: KFACCosts
+    method: Method
+    packed: bool = True
+    policy: PlacementPolicy = PlacementPolicy.LPT
+    distribution: Distribution = Distribution.COMM_OPT
+    grad_workers: int | None = None
+    local_inversion: bool = True
+
+    def group_size(self, world: int) -> int | None:
+        """The block size the settings ask for on `world` workers (None: decided by cost).
+
+        Raises:
+            ValueError: a hybrid block size that does not divide the world.
+        """
+        d = self.distribution
+        if d is Distribution.AUTO:
+            return None
+        if d is Distribution.COMM_OPT:
+            return world
+        if d is Distribution.MEM_OPT:
+            return 1
+        size = min(self.grad_workers or max(1, world // 2), world)
+        if world % size:
+            raise ValueError(f"grad_workers={size} must divide the world size {world}")
+        return size
+
+    def plan(self, layers: Sequence[KFACLayer], *, world: int, inv_interval: int) -> Placement:
+        """Place `layers` (in model order, the same on every rank) on `world` workers."""
+        return plan_placement(
+            layers,
+            world=world,
+            costs=self.costs,
+            method=self.method,
+            packed=self.packed,
+            policy=self.policy,
+            distribution=self.distribution,
+            group_size=self.group_size(world),
+            local_inversion=self.local_inversion,
+            inv_interval=inv_interval,
+        )

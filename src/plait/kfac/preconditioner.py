@@ -5,14 +5,21 @@
     precond = KFAC(model, KFACConfig(inv_interval=10), optimizer=optimizer)
     ...
     loss.backward()
-    precond.step()          # gradients become (G (x) A)^-1 gradients
+    precond.step(loss)      # gradients become (G (x) A)^-1 gradients
     optimizer.step()
 
 Gradients are averaged by DDP (so every compressor works unchanged); the preconditioner
-only adds the factors. Forward hooks compute A, tensor hooks on the layer outputs compute G,
-and both hand their factor to the `FactorPipeline`, which fuses and all-reduces them while
-forward/backward continue. `step` then inverts the factors this worker was assigned
-(`plait.kfac.placement`), exchanges the results, and preconditions.
+only adds the factors. Its hooks (`FactorCapture`) compute A in forward and G in backward
+and hand each factor to the `FactorPipeline`, which fuses and all-reduces them while
+forward/backward continue. `step` then decomposes the factors this worker was assigned
+(`plait.kfac.placement`), exchanges the results, and applies the mode's rule to each
+layer's gradient (`plait.kfac.eigenbasis`: K-FAC, EKFAC or Adam in the eigenbasis).
+
+`KFAC` is the mechanism. Three policy objects are handed to it (or built from the config):
+the `IntervalController` says which steps update and invert the factors, the
+`PlacementProvider` says who inverts and who preconditions (asked again whenever the
+decided intervals change), and `ProcessGroups` makes the process groups that placement
+needs. Each can be built and tested without a process group.
 
 Every hyper-parameter is a constant or a callable of the step (``damping=lambda s: ...``).
 """
@@ -21,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import logging
 import time
 from collections import Counter
@@ -35,56 +41,27 @@ from torch import nn
 
 from plait.comm import ops
 from plait.comm.stats import Collective
-from plait.distributed import new_group
-from plait.kfac.config import KFACConfig, check_value
+from plait.kfac.capture import FactorCapture, LayerBases
+from plait.kfac.checks import check_value
+from plait.kfac.config import KFACConfig
 from plait.kfac.costs import KFACCosts
+from plait.kfac.eigenbasis import EKFACRule, Mode, Moments, make_rule
 from plait.kfac.factors import (
-    InverseForm,
     Method,
     SecondOrder,
     decompose,
+    explicit_form,
     kl_clip_scale,
-    precondition,
     second_order_numel,
 )
-from plait.kfac.intervals import (
-    AUTO,
-    PROBE_ROUNDS,
-    WARMUP_STEPS,
-    IntervalPlanner,
-    Intervals,
-    StepCosts,
-    probe_intervals,
-)
-from plait.kfac.layers import (
-    Approximation,
-    Conv2dLayer,
-    EmbeddingLayer,
-    FactorKind,
-    KFACLayer,
-    make_layer,
-)
-from plait.kfac.pipeline import FactorComm, FactorPipeline, FactorSync, PipelineConfig, Slot
-from plait.kfac.placement import (
-    LOCAL,
-    Assignment,
-    Distribution,
-    PlacementPolicy,
-    factor_key,
-    plan_placement,
-)
-from plait.trace import FACTOR, INVERSE, PRECONDITION, span
+from plait.kfac.groups import ProcessGroups
+from plait.kfac.intervals import IntervalController, Intervals, StepCosts, StepPlan, StepSample
+from plait.kfac.layers import FACTORS, EmbeddingLayer, FactorKind, KFACLayer, make_layer
+from plait.kfac.pipeline import FactorPipeline, FactorSync, PipelineConfig, Slot
+from plait.kfac.placement import LOCAL, Assignment, Distribution, PlacementProvider, factor_key
+from plait.trace import INVERSE, PRECONDITION, span
 
 logger = logging.getLogger(__name__)
-
-#: An explicit inverse of side n pays once ``uses * m >= EXPLICIT_PAYOFF * n`` (m: the partner
-#: side it is multiplied with). From the per-layer kernel tables on one core
-#: (benchmarks/kfac/kernels-*, A and G timed together), the break-even ratio is 0.4-0.8 for
-#: ResNet-18's layers up to 1152 wide, about 1 for the GPT's, and 1-2 for ResNet-18's
-#: 2304-4608 wide ones. 0.7 fits the narrow layers and leans to the explicit form for the
-#: widest: a 4608 factor reused 7 to 18 times gets the explicit form although the Cholesky
-#: one would be cheaper (by up to about 15% of the decompositions and solves).
-EXPLICIT_PAYOFF = 0.7
 
 #: Layout of saved factors and decompositions. 2: factors packed in row bands
 #: (`plait.kfac.triangle`), the inverse method's factors as Cholesky factors or inverses.
@@ -118,6 +95,7 @@ class KFACStats:
     inversions: int = 0
     broadcasts: int = 0
     steps: int = 0
+    replans: int = 0
     unhandled: list[str] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)
     batch_shared: list[str] = field(default_factory=list)
@@ -217,10 +195,13 @@ class KFAC:
             them on the group at construction (collective; the links only when
             `config.probe`). Given costs make the construction free of timing, and on one
             process free of any collective.
+        intervals: the interval policy (None: from the config, `KFACConfig.controller`).
+        placement: the placement policy (None: from the config and `costs`).
+        groups: the process groups (None: made from `group`); give one or the other.
 
     Raises:
         ValueError: invalid hyper-parameters, a model without a layer K-FAC supports,
-            or KL clipping without a learning rate.
+            KL clipping without a learning rate, or both `group` and `groups`.
     """
 
     def __init__(
@@ -231,41 +212,50 @@ class KFAC:
         optimizer: torch.optim.Optimizer | None = None,
         group: Any = None,
         costs: KFACCosts | None = None,
+        intervals: IntervalController | None = None,
+        placement: PlacementProvider | None = None,
+        groups: ProcessGroups | None = None,
     ) -> None:
-        self.cfg = config or KFACConfig()
+        self.cfg = cfg = config or KFACConfig()
         self.optimizer = optimizer
         module = getattr(model, "module", model)
         if not isinstance(module, nn.Module):
             raise ValueError(f"KFAC expects an nn.Module, got {type(model).__name__}")
-        self.stats = KFACStats()
-        self.layers = self._register(module)
-        distributed = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(group) if distributed else 1
-        self.rank = dist.get_rank(group) if distributed else 0
-        self._ranks = dist.get_process_group_ranks(group) if distributed and group else None
-        self._groups: dict[tuple[int, ...], Any] = {}
-        self.group: Any = None
-        if self.world > 1:
-            ranks = self._ranks or list(range(self.world))
-            self.group = new_group(ranks)
-            self._groups[tuple(range(self.world))] = self.group
+        if group is not None and groups is not None:
+            raise ValueError("give KFAC a torch process group or ProcessGroups, not both")
         if costs is not None and not isinstance(costs, KFACCosts):
             raise ValueError(f"costs must be a KFACCosts, got {type(costs).__name__}")
+        self.module = module
+        self.stats = KFACStats()
+        self.layers = self._register(module)
+        self.groups = groups or ProcessGroups.of(group)
+        self.world, self.rank = self.groups.world, self.groups.rank
         self.costs = costs or KFACCosts.measure(
-            self.group, method=Method(self.cfg.method), probe_links=self.cfg.probe
+            self.groups.group, method=cfg.decomposition, probe_links=cfg.probe
         )
-        self.distribution: Distribution | None = None
-        pipe_cfg = PipelineConfig(
-            comm=FactorComm(self.cfg.comm),
-            sync=FactorSync(self.cfg.sync),
-            packed=self.cfg.packed,
-            comm_dtype=self.cfg.comm_dtype,  # type: ignore[arg-type]
-            bucket_cap_mb=self.cfg.bucket_cap_mb,
-            replan_every=self.cfg.replan_every,
-        )
-        self.pipeline = FactorPipeline(pipe_cfg, group=self.group, cost=self.costs.link)
+        self.placement = placement or cfg.placement_provider(self.costs)
+        self.controller = intervals or cfg.controller()
+        self.pipeline = FactorPipeline(
+            PipelineConfig(comm=cfg.comm, sync=cfg.sync, packed=cfg.packed,
+                           comm_dtype=cfg.comm_dtype, bucket_cap_mb=cfg.bucket_cap_mb,
+                           replan_every=cfg.replan_every),
+            group=self.groups.group, cost=self.costs.link,
+        )  # fmt: skip
+        self.rule = make_rule(
+            cfg.mode, graft=cfg.graft, scale_of=self._scale_of,
+            moments=Moments(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps),
+        )  # fmt: skip
+        self.capture = FactorCapture(
+            self.layers, self._add, packed=cfg.packed, approximation=cfg.approximation,
+            active=lambda: self._plan(self.steps).factor, accept=self._accept,
+            bases=self._bases if isinstance(self.rule, EKFACRule) else None,
+            on_forward=self._forward_started,
+        )  # fmt: skip
         self.assignment: Assignment | None = None
+        self.distribution: Distribution | None = None
+        self._planned_inv: int | None = None
         self.steps = 0
+        self._plans: tuple[int, StepPlan] | None = None
         self._acc: dict[str, _Acc] = {}
         self._second: dict[str, SecondOrder] = {}
         self._pending: dict[str, _Pending] = {}
@@ -273,26 +263,10 @@ class KFAC:
         self._ready: set[str] = set()  # layers with both decompositions (rank-consistent)
         self._micro = 0
         self._accumulating = False
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._handles: list[Any] = []
-        # "auto" intervals: the planner, the intervals in force ((1, 1) for the first
-        # WARMUP_STEPS steps, then probe_intervals until the first decision), when
-        # this step's forward began
-        self._planner: IntervalPlanner | None = None
-        if self.cfg.auto_intervals:
-            self._planner = IntervalPlanner(
-                rho=self.cfg.auto_overhead, max_interval=self.cfg.auto_max_interval,
-                drift=self.cfg.auto_drift, window=self.cfg.auto_window,
-            )  # fmt: skip
-        self.intervals = Intervals(1, 1)
-        self._since_decision = 0
-        self._probe_end: int | None = None  # the step the first decision waits for
-        self._forward_began: float | None = None
-        # this step's measured seconds: factor computation in the hooks, inversions (with
-        # the waits for their broadcasts)
-        self._hook_s = 0.0
-        self._inv_s = 0.0
-        self.attach()
+        self._rest: list[nn.Parameter] | None = None  # SOAP: parameters outside the layers
+        self._forward_began: float | None = None  # this step's first hooked forward
+        self._inv_s = 0.0  # this step's inversions, with the waits for their broadcasts
+        self.capture.attach()
 
     # ------------------------------------------------------------------ set-up
     def _register(self, module: nn.Module) -> dict[str, KFACLayer]:
@@ -309,85 +283,30 @@ class KFAC:
         if sel.unhandled or sel.shared:
             parts = [f"{cls} x{n} (e.g. {sel.examples[cls]})" for cls, n in sel.unhandled.items()]
             parts += [f"weight shared by {group}" for group in sel.shared]
+            rest = " (Adam, in mode soap)" if self.cfg.mode is Mode.SOAP else ", unpreconditioned"
             logger.log(
-                logging.WARNING if sel.matrices or sel.shared else logging.INFO,
-                "K-FAC leaves these to the optimizer, unpreconditioned: %s",
-                ", ".join(parts),
-            )
+                logging.WARNING if (sel.matrices or sel.shared) and not rest.startswith(" (")
+                else logging.INFO,
+                "K-FAC leaves these to the optimizer%s: %s", rest, ", ".join(parts),
+            )  # fmt: skip
         return sel.layers
-
-    def _make_groups(self, size: int) -> None:
-        """Block and receiver groups; created collectively, in the same order on every rank."""
-        if self.world <= 1:
-            return
-        ranks = self._ranks or list(range(self.world))
-        tuples: list[tuple[int, ...]] = []
-        if 1 < size < self.world:
-            tuples += [tuple(range(b, b + size)) for b in range(0, self.world, size)]
-        if size < self.world and self.world // size > 1:
-            tuples += [tuple(range(j, self.world, size)) for j in range(size)]
-        for t in tuples:
-            if t not in self._groups:
-                self._groups[t] = new_group([ranks[i] for i in t])
-
-    def _group_size(self) -> int:
-        d = Distribution(self.cfg.distribution)
-        if self.distribution is not None:
-            d = self.distribution
-        if d is Distribution.COMM_OPT:
-            return self.world
-        if d is Distribution.MEM_OPT:
-            return 1
-        size = min(self.cfg.grad_workers or max(1, self.world // 2), self.world)
-        if self.world % size:
-            raise ValueError(f"grad_workers={size} must divide the world size {self.world}")
-        return size
-
-    def _explicit(self, slot: Slot, step: int) -> bool:
-        """Whether the inverse method keeps this factor as an explicit inverse.
-
-        AUTO weighs one worker's work between two inversions: the Cholesky form saves an
-        explicit inversion (~n^3) and costs slower solves (~n^2 m more, m the partner side)
-        at every step until the next inversion. The two forms round differently, so the
-        rule reads the model and the settings only, never the placement: placement follows
-        measured timings, and a job must train to the same bits whatever it measured
-        (alone or co-located, first run or resumed). Per worker is exact where inverters
-        use what they invert (mem-opt, local factors); under comm-opt one inversion serves
-        several workers, and the rule then leans to the Cholesky form.
-        """
-        form = InverseForm(self.cfg.inverse_form)
-        if form is not InverseForm.AUTO or Method(self.cfg.method) is not Method.INVERSE:
-            return form is InverseForm.EXPLICIT
-        other = FactorKind.G if slot.kind is FactorKind.A else FactorKind.A
-        partner = self.layers[slot.layer].shape(other).dim
-        uses = int(self._at("inv_interval", step))
-        return uses * partner >= EXPLICIT_PAYOFF * slot.shape.dim
 
     def attach(self) -> None:
         """Install the factor hooks (done by the constructor; again after `remove`)."""
-        if self._handles:
-            return
-        self._handles = [
-            layer.module.register_forward_hook(functools.partial(self._on_forward, layer))
-            for layer in self.layers.values()
-        ]
+        self.capture.attach()
 
     def remove(self) -> None:
         """Detach the hooks (the model is left as it was; `attach` puts them back)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self.capture.remove()
 
     # ------------------------------------------------------------------ schedule
     def at(self, name: str, step: int) -> Any:
-        """Hyper-parameter `name` (a `KFACConfig` field) at `step`, validated."""
-        return self._at(name, step)
-
-    def _at(self, name: str, step: int) -> Any:
-        if name == "factor_interval" and self.cfg.factor_interval == AUTO:
-            return self.intervals.factor
-        if name == "inv_interval" and self.cfg.inv_interval == AUTO:
-            return self.intervals.inv
+        """Hyper-parameter `name` (a `KFACConfig` field) at `step`, validated; the
+        intervals are those the interval controller has in force at `step`."""
+        if name == "factor_interval":
+            return self._plan(step).intervals.factor
+        if name == "inv_interval":
+            return self._plan(step).intervals.inv
         checks = {
             "damping": {"low": 0.0, "low_open": True},
             "factor_decay": {"low": 0.0, "high": 1.0},
@@ -396,15 +315,23 @@ class KFAC:
         }
         return check_value(name, getattr(self.cfg, name), step, **checks.get(name, {}))
 
-    def _is_factor_step(self, step: int) -> bool:
-        return step % int(self._at("factor_interval", step)) == 0
+    @property
+    def intervals(self) -> Intervals:
+        """The intervals decided (outside probes; what placement is planned for)."""
+        return self.controller.decided
 
-    def _is_inv_step(self, step: int) -> bool:
-        return step % int(self._at("inv_interval", step)) == 0
+    def _plan(self, step: int) -> StepPlan:
+        if self._plans is None or self._plans[0] != step:
+            self._plans = (step, self.controller.plan(step))
+        return self._plans[1]
+
+    def is_inversion_step(self, step: int) -> bool:
+        """Whether `step` decomposes the factors."""
+        return self._plan(step).inversion
 
     def _lr(self, step: int) -> float:
         if self.cfg.lr is not None:
-            return float(self._at("lr", step))
+            return float(self.at("lr", step))
         if self.optimizer is None:
             raise ValueError(
                 "kl_clip needs the learning rate: set KFACConfig.lr or pass optimizer="
@@ -428,73 +355,51 @@ class KFAC:
             for acc in self._acc.values():
                 acc.uses_now = 0
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ capture's sink
     def reduces(self, layer: KFACLayer) -> bool:
         """Whether `layer` forms its factors by K-FAC-reduce (`KFACConfig.approximation`)."""
-        return self.cfg.approximation is Approximation.REDUCE and layer.reducible
+        return self.capture.reduces(layer)
 
-    def _capturing(self, module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled() and self._is_factor_step(self.steps)
-
-    def _on_forward(
-        self, layer: KFACLayer, module: nn.Module, inputs: tuple[Any, ...], output: Any
-    ) -> None:
-        if self._forward_began is None and module.training and torch.is_grad_enabled():
+    def _forward_started(self) -> None:
+        if self._forward_began is None:
             self._forward_began = time.perf_counter()
-        if not inputs or not isinstance(inputs[0], torch.Tensor) or not self._capturing(module):
-            return
-        if layer.name not in self.layers:  # left alone on the first step
-            return
-        x = inputs[0].detach()
-        if not self.pipeline.discovered and _shared_by_the_batch(layer, x):
-            self._shapes[layer.name] = tuple(x.shape)
-            self._leave_alone(layer)
-            return
-        if not self._accumulating and not self.pipeline.in_step:
-            self._begin_pipeline_step()
-        t0 = time.perf_counter()
-        batch = batch_size(layer, x)
-        reduce = self.reduces(layer)
-        with span(f"A {layer.name}", FACTOR):
-            total, rows = layer.a_sum(x, packed=self.pipeline.layout.packed,
-                                      reduce_to=batch if reduce else None)  # fmt: skip
-        self._add(layer, FactorKind.A, total, rows)
-        self._hook_s += time.perf_counter() - t0
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(functools.partial(self._on_grad, layer, batch))
 
-    def _leave_alone(self, layer: KFACLayer) -> None:
-        """Drop a layer found unfit on the first step (before its factors have a slot)."""
+    def _accept(self, layer: KFACLayer, x: torch.Tensor) -> bool:
+        """Leave a batch-shared embedding alone, on the step that discovers the factors."""
+        if self.pipeline.discovered or not _shared_by_the_batch(layer, x):
+            return True
         self.layers.pop(layer.name, None)
-        self._acc.pop(factor_key(layer.name, FactorKind.A), None)
-        self._acc.pop(factor_key(layer.name, FactorKind.G), None)
+        for kind in FactorKind:
+            self._acc.pop(factor_key(layer.name, kind), None)
         self.stats.batch_shared.append(layer.name)
         logger.warning(
             "K-FAC leaves %s to the optimizer: it is looked up once for the whole batch "
             "(input %s), so its output gradient arrives summed over the samples and its G "
             "factor would depend on how the batch is split among workers",
-            layer.name,
-            "x".join(map(str, self._first_shape(layer))),
-        )
+            layer.name, "x".join(map(str, x.shape)),
+        )  # fmt: skip
+        return False
 
-    def _first_shape(self, layer: KFACLayer) -> tuple[int, ...]:
-        return self._shapes.get(layer.name, ())
+    def _bases(self, layer: KFACLayer) -> LayerBases | None:
+        assert isinstance(self.rule, EKFACRule)
+        held = self.rule.basis(layer.name)
+        if held is None:
+            return None, None
+        return held[0].basis, held[1].basis
 
-    def _on_grad(self, layer: KFACLayer, batch: int, grad: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        with torch.no_grad(), span(f"G {layer.name}", FACTOR):
-            total, rows = layer.g_sum(grad.detach(), batch, packed=self.pipeline.layout.packed,
-                                      reduce=self.reduces(layer))  # fmt: skip
-            self._add(layer, FactorKind.G, total, rows)
-        self._hook_s += time.perf_counter() - t0
+    def _scale_of(self, name: str) -> torch.Tensor:
+        return self.pipeline.factor_upper(factor_key(name, FactorKind.S))
 
     def _begin_pipeline_step(self) -> None:
-        lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
-        communicate = self._is_inv_step(self.steps) if lazy else True
-        decay = float(self._at("factor_decay", self.steps))
+        plan = self._plan(self.steps)
+        communicate = plan.inversion if self.cfg.sync is FactorSync.LAZY else True
+        decay = float(self.at("factor_decay", self.steps))
         self.pipeline.begin_step(communicate=communicate, decay=decay)
 
     def _add(self, layer: KFACLayer, kind: FactorKind, total: torch.Tensor, rows: int) -> None:
+        """The capture's sink: sum over uses and micro-batches, then to the pipeline."""
+        if kind is FactorKind.A and not self._accumulating and not self.pipeline.in_step:
+            self._begin_pipeline_step()
         key = factor_key(layer.name, kind)
         acc = self._acc.get(key)
         if acc is None:
@@ -512,13 +417,12 @@ class KFAC:
     def _finalize(self, key: str, layer: KFACLayer, kind: FactorKind) -> None:
         acc = self._acc.pop(key)
         mean = acc.total.div_(max(acc.rows, 1))
-        if kind is FactorKind.G and self._micro:
+        if kind is not FactorKind.A and self._micro:  # G and S: squares of output gradients
             mean.mul_(float(self._micro + 1) ** 2)
         if not self.pipeline.in_step:
             self._begin_pipeline_step()
-        uses = acc.uses_now
         self.pipeline.put(key, layer=layer.name, kind=kind, shape=layer.shape(kind), wire=mean,
-                          uses=uses)  # fmt: skip
+                          uses=acc.uses_now)  # fmt: skip
 
     def _finalize_all(self) -> None:
         """Hand over what is left (all factors in the first step), in order of last use."""
@@ -528,108 +432,67 @@ class KFAC:
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self) -> None:
-        """Precondition the gradients in place; call after backward, before optimizer.step()."""
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """Precondition the gradients in place; call after backward, before optimizer.step().
+
+        Args:
+            loss: this step's training loss on this worker, which ``"auto"`` intervals weigh
+                against the time of each interval (None: time alone decides).
+        """
         t = self.steps
+        plan = self._plan(t)
         began, self._forward_began = self._forward_began, None
         entered = time.perf_counter()
-        inv_step = self._is_inv_step(t)
-        factor_step = self._is_factor_step(t)
         self._inv_s = 0.0
         self._finalize_all()
-        lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
-        if (lazy and inv_step and self.world > 1 and self.pipeline.discovered
+        lazy = self.cfg.sync is FactorSync.LAZY
+        if (lazy and plan.inversion and self.world > 1 and self.pipeline.discovered
                 and not self.pipeline.in_step):  # fmt: skip
             self.pipeline.begin_step(communicate=True, decay=1.0)
         if self.pipeline.in_step:
             self.pipeline.flush()
-            self._ensure_assignment()
-            if inv_step and self.cfg.overlap:
+            self._ensure_placement(plan)
+            if plan.inversion and self.cfg.overlap:
                 for slots in self.pipeline.completed():
                     self._invert(slots, t)
             else:
                 for _ in self.pipeline.completed():
                     pass
-                if inv_step:
+                if plan.inversion:
                     self._invert(self.pipeline.slots, t)
             self.pipeline.end_step()
-        elif inv_step:
-            self._ensure_assignment()
+        elif plan.inversion:
+            self._ensure_placement(plan)
             self._invert(self.pipeline.slots, t)
         communicated_s = time.perf_counter() - entered - self._inv_s
-        self._precondition(t)
+        self._precondition(t, plan)
         self.steps += 1
         self.stats.steps += 1
         self._micro = 0
-        hook_s, self._hook_s = self._hook_s, 0.0
-        if self._planner is not None and began is not None and t >= WARMUP_STEPS:
+        hook_s, self.capture.seconds = self.capture.seconds, 0.0
+        if began is not None and self.assignment is not None:
             # the step split into what every step pays and K-FAC's two amortisable parts;
             # lazy sync all-reduces the running factors only to invert them, so that wait
             # belongs to the inversion round (and factor updates between rounds are local)
-            round_comm_s = communicated_s if lazy and inv_step else 0.0
-            factor_s = hook_s + communicated_s - round_comm_s if factor_step else None
-            inv_s = self._inv_s + round_comm_s if inv_step else None
-            total_s = time.perf_counter() - began
-            self._planner.observe(total_s, factor_s=factor_s, inversion_s=inv_s)
-        if self._planner is not None:
-            self._plan_intervals(self._planner)
+            round_comm_s = communicated_s if lazy and plan.inversion else 0.0
+            self.controller.observe(t, StepSample(
+                total_s=time.perf_counter() - began,
+                factor_s=hook_s + communicated_s - round_comm_s if plan.factor else None,
+                inversion_s=self._inv_s + round_comm_s if plan.inversion else None,
+                loss=None if loss is None else float(loss),
+            ))  # fmt: skip
+        if self.assignment is not None:
+            self.controller.update(t, self._agree, self.step_costs)
 
-    # ------------------------------------------------------------------ "auto" intervals
-    def _plan_intervals(self, planner: IntervalPlanner) -> None:
-        """Probe after the warm-up, decide the intervals, and again when the costs drift.
-
-        Each step is timed from its first hooked forward to the end of `step`, and the
-        planner prices a factor update and an inversion round by how much longer their
-        steps take than plain ones (`plait.kfac.intervals`). The first `WARMUP_STEPS`
-        steps run at (1, 1), unmeasured (one-time costs); then `probe_intervals` runs
-        `PROBE_ROUNDS` inversion rounds with plain and factor steps between them, and the
-        first decision follows (a resumed run probes again: the link may differ). Until a
-        kind of step has been seen, K-FAC's own timed parts (factor computations in the
-        hooks, the waits for the exchanges, the decompositions) stand in, and before those
-        their price from `self.costs`. The medians differ by rank, so they are agreed over
-        the group (the largest: the slowest rank sets the pace), at step counts every rank
-        reaches together (the end of the probe, then every `auto_window` steps).
-        """
-        if self.assignment is None or self.steps < WARMUP_STEPS:
-            return
-        fixed_f, fixed_i = self.cfg.factor_interval, self.cfg.inv_interval
-        # the config allows "auto" beside a constant only (never beside a callable)
-        fixed = {
-            "factor": fixed_f if isinstance(fixed_f, int) else None,
-            "inv": fixed_i if isinstance(fixed_i, int) else None,
-        }
-        if planner.decided is None:
-            if self._probe_end is None:
-                lazy = FactorSync(self.cfg.sync) is FactorSync.LAZY
-                probe = probe_intervals(**fixed, lazy=lazy)
-                self._probe_end = self.steps + (
-                    PROBE_ROUNDS * probe.inv if probe != self.intervals else 0
-                )
-                self.intervals = probe
-            if self.steps < self._probe_end:
-                return
-        else:
-            self._since_decision += 1
-            if self._since_decision < planner.window:
-                return
-            self._since_decision = 0
-        priced = self.step_costs(planner.median() or 0.0)
-        costs = self._agree_max(planner.costs(priced))
-        if planner.decided is not None and (costs.base_step_s <= 0 or not planner.drifted(costs)):
-            return
-        if planner.decided is not None:
-            logger.info("K-FAC's measured costs drifted: deciding the intervals again")
-        self.intervals = planner.decide(costs, **fixed)
-        self._since_decision = 0
-
-    def _agree_max(self, costs: StepCosts) -> StepCosts:
+    def _agree(self, values: list[float], op: str) -> list[float]:
+        """The controller's numbers agreed over the ranks: the largest, or the mean."""
         if self.world <= 1:
-            return costs
-        t = torch.tensor([costs.base_step_s, costs.factor_s, costs.inversion_s],
-                         dtype=torch.float64)  # fmt: skip
-        ops.all_reduce(t, group=self.group, op=dist.ReduceOp.MAX, name="kfac intervals",
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        ops.all_reduce(t, group=self.groups.group, op=red, name="kfac intervals",
                        async_op=False)  # fmt: skip
-        return StepCosts(base_step_s=float(t[0]), factor_s=float(t[1]), inversion_s=float(t[2]))
+        return (t if op == "max" else t / self.world).tolist()
 
     def step_costs(self, base_step_s: float) -> StepCosts:
         """The priced costs `"auto"` intervals fall back on before measuring: `base_step_s`,
@@ -643,48 +506,76 @@ class KFAC:
         asg = self.assignment
         if asg is not None:
             inv_s = asg.makespan_s
-            method = Method(self.cfg.method)
             for s in self.pipeline.slots:
                 owner = asg.inv_rank.get(s.key, LOCAL)
                 workers = len(asg.inverse_group(s.layer)) if s.layer in asg.layer_rank else 1
                 if owner == LOCAL or workers <= 1:
                     continue
-                nbytes = 4 * second_order_numel(method, s.shape, packed=self.cfg.packed)
+                nbytes = 4 * second_order_numel(self.cfg.decomposition, s.shape,
+                                                packed=self.cfg.packed)  # fmt: skip
                 inv_s += self.costs.link.time(Collective.BROADCAST, nbytes, workers)
         return StepCosts(base_step_s=base_step_s, factor_s=comm_s, inversion_s=inv_s)
 
-    def _ensure_assignment(self) -> None:
-        if self.assignment is not None or not self.pipeline.discovered:
+    # ------------------------------------------------------------------ placement
+    def _ensure_placement(self, plan: StepPlan) -> None:
+        """Plan placement at the first step, and again at the first inversion round after
+        the decided inversion interval changed (rounds recompute every decomposition under
+        the new placement; state held per layer moves to its new workers)."""
+        if not self.pipeline.discovered:
+            return
+        inv = self.controller.decided.inv
+        if self.assignment is not None and (inv == self._planned_inv or not plan.inversion):
             return
         layers = [
             layer
             for name, layer in self.layers.items()
-            if self.pipeline.has(factor_key(name, FactorKind.A))
-            and self.pipeline.has(factor_key(name, FactorKind.G))
+            if all(self.pipeline.has(factor_key(name, kind)) for kind in FACTORS)
         ]
-        distribution = Distribution(self.cfg.distribution)
-        size = None if distribution is Distribution.AUTO else self._group_size()
-        placement = plan_placement(
-            layers,
-            world=self.world,
-            costs=self.costs,
-            method=Method(self.cfg.method),
-            packed=self.cfg.packed,
-            policy=PlacementPolicy(self.cfg.placement),
-            distribution=distribution,
-            group_size=size,
-            local_inversion=self.cfg.local_inversion,
-            inv_interval=int(self._at("inv_interval", self.steps)),
-        )
-        self.distribution = placement.distribution
-        self._make_groups(placement.assignment.group_size)
-        self.assignment = placement.assignment
+        placed = self.placement.plan(layers, world=self.world, inv_interval=inv)
+        self.groups.ensure(placed.assignment.group_size)
+        old, self.assignment = self.assignment, placed.assignment
+        self.distribution, self._planned_inv = placed.distribution, inv
+        if old is not None:
+            self.stats.replans += 1
+            logger.info("K-FAC placement re-planned for inversions every %d steps: %s", inv,
+                        placed.distribution)  # fmt: skip
+            self._move_states(old, placed.assignment)
 
-    def _group(self, ranks: tuple[int, ...]) -> Any:
-        return self._groups[ranks]
+    def _move_states(self, old: Assignment, new: Assignment) -> None:
+        """Send each moved layer's rule state (SOAP's moments, grafting's) from a worker
+        that held it to the workers that precondition the layer now: one all-reduce over
+        the group, which every rank joins (the moved layers follow from the assignments)."""
+        moved = [
+            layer for name, layer in self.layers.items()
+            if name in old.layer_rank and name in new.layer_rank
+            and set(new.grad_workers(name)) - set(old.grad_workers(name))
+        ]  # fmt: skip
+        if not moved or self.world <= 1 or not self.rule.names:
+            return
+        sizes = [self.rule.layer_numel(layer) for layer in moved]
+        buf = torch.zeros(sum(sizes), dtype=torch.float64)
+        pos = 0
+        for layer, n in zip(moved, sizes, strict=True):
+            if self.rank == old.grad_workers(layer.name)[0]:
+                buf[pos : pos + n] = self.rule.layer_state(layer)
+            pos += n
+        ops.all_reduce(buf, group=self.groups.group, name="kfac layer states", async_op=False)
+        pos = 0
+        for layer, n in zip(moved, sizes, strict=True):
+            if self.rank in new.grad_workers(layer.name):
+                self.rule.set_layer_state(layer, buf[pos : pos + n], self._dtype)
+            pos += n
 
-    def _global(self, rank: int) -> int:
-        return self._ranks[rank] if self._ranks else rank
+    # ------------------------------------------------------------------ inversions
+    def _explicit(self, slot: Slot, step: int) -> bool:
+        """Whether the inverse method keeps this factor as an explicit inverse
+        (`factors.explicit_form`, from the inversion interval in force)."""
+        other = FactorKind.G if slot.kind is FactorKind.A else FactorKind.A
+        return explicit_form(
+            self.cfg.inverse_form, self.cfg.decomposition, dim=slot.shape.dim,
+            partner=self.layers[slot.layer].shape(other).dim,
+            uses=self._plan(step).intervals.inv,
+        )  # fmt: skip
 
     def _invert(self, slots: list[Slot], step: int) -> None:
         """Decompose this worker's share of `slots`; post or send the exchanges, in order."""
@@ -698,8 +589,8 @@ class KFAC:
             self._inv_s += time.perf_counter() - t0
 
     def _invert_slots(self, asg: Assignment, slots: list[Slot], step: int) -> None:
-        damping = float(self._at("damping", step))
-        method = Method(self.cfg.method)
+        damping = float(self.at("damping", step))
+        method = self.cfg.decomposition
         for s in slots:
             if s.key not in asg.inv_rank or not self.pipeline.is_initialized(s.key):
                 continue
@@ -710,30 +601,46 @@ class KFAC:
                 continue
             explicit = self._explicit(s, step)
             if owner in (LOCAL, self.rank):
-                with span(f"inverse {s.key}", INVERSE, n=s.shape.dim):
-                    so = decompose(self.pipeline.factor_upper(s.key), s.shape, method=method,
-                                   damping=damping, packed=self.cfg.packed,
-                                   explicit=explicit)  # fmt: skip
+                so = self.decompose(s, step)
                 self.stats.inversions += 1
                 self._second[s.key] = so
                 self._pending.pop(s.key, None)
                 if owner == self.rank and len(workers) > 1:
                     wire = so.to_wire(packed=self.cfg.packed)
-                    fut = ops.broadcast(wire, src=self._global(owner), group=self._group(workers),
-                                        name=f"inverse {s.key}")  # fmt: skip
+                    fut = self._broadcast(wire, owner, workers, f"inverse {s.key}")
                     self._inflight.append(fut)
                     self.stats.broadcasts += 1
             else:
-                buf = torch.empty(second_order_numel(method, s.shape, packed=self.cfg.packed),
-                                  dtype=self.pipeline.running.dtype)  # type: ignore[union-attr]  # fmt: skip
-                fut = ops.broadcast(buf, src=self._global(owner), group=self._group(workers),
-                                    name=f"inverse {s.key}")  # fmt: skip
+                numel = second_order_numel(method, s.shape, packed=self.cfg.packed)
+                buf = torch.empty(numel, dtype=self._dtype)
+                fut = self._broadcast(buf, owner, workers, f"inverse {s.key}")
                 self._pending[s.key] = _Pending(future=fut, buffer=buf, damping=damping,
                                                 explicit=explicit)  # fmt: skip
 
+    def _broadcast(
+        self, t: torch.Tensor, src: int, ranks: tuple[int, ...], name: str
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Broadcast `t` from group rank `src` to `ranks` (their group, made by `groups`)."""
+        return ops.broadcast(
+            t, src=self.groups.global_rank(src), group=self.groups.get(ranks), name=name
+        )
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        running = self.pipeline.running
+        return running.dtype if running is not None else torch.float32
+
+    def decompose(self, slot: Slot, step: int) -> SecondOrder:
+        """Decompose one factor's running average as `step` does; nothing is stored."""
+        with span(f"inverse {slot.key}", INVERSE, n=slot.shape.dim):
+            return decompose(
+                self.pipeline.factor_upper(slot.key), slot.shape, method=self.cfg.decomposition,
+                damping=float(self.at("damping", step)), packed=self.cfg.packed,
+                explicit=self._explicit(slot, step),
+            )  # fmt: skip
+
     def _mark_ready(self, layer: str) -> None:
-        a, g = factor_key(layer, FactorKind.A), factor_key(layer, FactorKind.G)
-        if self.pipeline.is_initialized(a) and self.pipeline.is_initialized(g):
+        if all(self.pipeline.is_initialized(factor_key(layer, kind)) for kind in FACTORS):
             self._ready.add(layer)
 
     def _resolve(self, key: str) -> SecondOrder:
@@ -744,33 +651,51 @@ class KFAC:
             self._inv_s += time.perf_counter() - t0  # an inversion done elsewhere
             s = self.pipeline.slot(key)
             self._second[key] = SecondOrder.from_wire(
-                pend.buffer, method=Method(self.cfg.method), shape=s.shape,
+                pend.buffer, method=self.cfg.decomposition, shape=s.shape,
                 damping=pend.damping, packed=self.cfg.packed, explicit=pend.explicit,
             )  # fmt: skip
         return self._second[key]
 
-    def _precondition(self, step: int) -> None:
+    def _held(self, name: str) -> tuple[SecondOrder, SecondOrder] | None:
+        a = self._second.get(factor_key(name, FactorKind.A))
+        g = self._second.get(factor_key(name, FactorKind.G))
+        return None if a is None or g is None else (a, g)
+
+    # ------------------------------------------------------------------ preconditioning
+    def _precondition(self, step: int, plan: StepPlan) -> None:
         asg = self.assignment
         if asg is None:
             return
+        damping = float(self.at("damping", step))
+        # EKFAC's statistic was averaged over the workers on this step: every factor step
+        # under eager sync, every round under lazy sync (on any world size alike)
+        fresh = plan.inversion if self.cfg.sync is FactorSync.LAZY else plan.factor
         # In the model's layer order, on every rank: the broadcasts are issued alike, and the
         # KL clip sums over layers in an order that no timing-based placement can change.
-        # Each entry: the layer, its preconditioned gradient (or the buffer a broadcast
-        # fills), the raw gradient, and the broadcast to wait for (None: computed here).
+        # Each entry: the layer, its new gradient (or the buffer a broadcast fills), the raw
+        # gradient, and the broadcast to wait for (None: computed here).
         entries: list[tuple[KFACLayer, torch.Tensor, torch.Tensor, Any]] = []
         for name, layer in self.layers.items():
             if name not in asg.layer_rank or name not in self._ready:
                 continue
+            workers = asg.grad_workers(name)
+            held = None
+            if self.rank in workers:
+                held = (
+                    self._resolve(factor_key(name, FactorKind.A)),
+                    self._resolve(factor_key(name, FactorKind.G)),
+                )
+                self.rule.refresh(name, *held)
+                if fresh and isinstance(self.rule, EKFACRule):
+                    self.rule.take_scale(name)
             grad = layer.grad_matrix()
             if grad is None:
                 continue
-            workers = asg.grad_workers(name)
             p: torch.Tensor | None = None
-            if self.rank in workers:
-                a = self._resolve(factor_key(name, FactorKind.A))
-                g = self._resolve(factor_key(name, FactorKind.G))
+            if held is not None:
                 with span(f"precondition {name}", PRECONDITION):
-                    p = precondition(grad, a, g).contiguous()
+                    p = self.rule.direction(name, grad, *held,
+                                            damping=damping).contiguous()  # fmt: skip
             if len(workers) == self.world:
                 assert p is not None
                 entries.append((layer, p, grad, None))
@@ -782,8 +707,7 @@ class KFAC:
                 entries.append((layer, p, grad, None))
                 continue
             buf = p if p is not None else torch.empty(grad.shape, dtype=grad.dtype)
-            fut = ops.broadcast(buf, src=self._global(src), group=self._group(receivers),
-                                name=f"gradient {name}")  # fmt: skip
+            fut = self._broadcast(buf, src, receivers, f"gradient {name}")
             entries.append((layer, buf, grad, fut))
         for fut in self._inflight:
             ops.wait(fut)
@@ -792,16 +716,26 @@ class KFAC:
             if fut is not None:
                 ops.wait(fut)
         self._write([(layer, p, grad) for layer, p, grad, _ in entries], step)
+        self.rule.rest(self._rest_params())
+
+    def _rest_params(self) -> list[nn.Parameter]:
+        """The trainable parameters outside the preconditioned layers, in model order
+        (fixed after the first step, when batch-shared layers have been left out)."""
+        if self._rest is None:
+            inside = {id(p) for layer in self.layers.values() for p in layer.parameters()}
+            self._rest = [p for p in self.module.parameters()
+                          if p.requires_grad and id(p) not in inside]  # fmt: skip
+        return self._rest
 
     def _write(self, pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]], step: int) -> None:
         if not pairs:
             return
         with span("kl clip", PRECONDITION):
-            if self.cfg.kl_clip is not None:
+            if self.cfg.kl_clip is not None and self.rule.clips:
                 scale = kl_clip_scale(
                     [(p, g) for _, p, g in pairs],
                     lr=self._lr(step),
-                    kl_clip=float(self._at("kl_clip", step)),
+                    kl_clip=float(self.at("kl_clip", step)),
                 ).to(pairs[0][1].dtype)
                 for layer, p, _ in pairs:
                     layer.set_grad_matrix(p * scale)
@@ -809,60 +743,45 @@ class KFAC:
                 for layer, p, _ in pairs:
                     layer.set_grad_matrix(p)
 
-    # ------------------------------------------------------------------ parts of a step
-    # What one worker computes in a step, for callers that run it in pieces (the trainer's
-    # compute-only reference times these without any communication or state change).
-    def is_inversion_step(self, step: int) -> bool:
-        """Whether `step` decomposes the factors (every `inv_interval` steps)."""
-        return self._is_inv_step(step)
-
-    def inversions_here(self) -> list[Slot]:
-        """The factors this worker decomposes itself (its own and the local ones)."""
-        asg = self.assignment
-        if asg is None:
-            return []
-        return [
-            s
-            for s in self.pipeline.slots
-            if asg.inv_rank.get(s.key) in (LOCAL, self.rank) and self.pipeline.is_initialized(s.key)
-        ]
-
-    def decompose(self, slot: Slot, step: int) -> SecondOrder:
-        """Decompose one factor's running average as `step` would; nothing is stored."""
-        with span(f"inverse {slot.key}", INVERSE, n=slot.shape.dim):
-            return decompose(
-                self.pipeline.factor_upper(slot.key),
-                slot.shape,
-                method=Method(self.cfg.method),
-                damping=float(self._at("damping", step)),
-                packed=self.cfg.packed,
-                explicit=self._explicit(slot, step),
-            )
-
-    def held_decompositions(self) -> list[tuple[KFACLayer, SecondOrder, SecondOrder]]:
-        """The layers this worker preconditions whose decompositions it already holds."""
-        asg = self.assignment
-        if asg is None:
-            return []
-        out = []
-        for name in asg.layer_rank:
-            if name not in self._ready or self.rank not in asg.grad_workers(name):
+    @torch.no_grad()
+    def dry_step(self) -> None:
+        """What `step` computes on this worker, with no communication and no change of
+        state: its decompositions (if the last step inverted) and its layers' new
+        gradients (the trainer's compute-only reference times this)."""
+        if self.assignment is None:
+            return
+        t = max(self.steps - 1, 0)
+        if self.is_inversion_step(t):
+            asg = self.assignment
+            for s in self.pipeline.slots:
+                if asg.inv_rank.get(s.key) in (LOCAL, self.rank) and (
+                    self.pipeline.is_initialized(s.key)
+                ):  # fmt: skip
+                    self.decompose(s, t)
+        damping = float(self.at("damping", t))
+        pairs = []
+        for name in self.assignment.layer_rank:
+            held = self._held(name)
+            if name not in self._ready or held is None or (
+                self.rank not in self.assignment.grad_workers(name)
+            ):  # fmt: skip
                 continue
-            a = self._second.get(factor_key(name, FactorKind.A))
-            g = self._second.get(factor_key(name, FactorKind.G))
-            if a is not None and g is not None:
-                out.append((self.layers[name], a, g))
-        return out
-
-    def write_gradients(
-        self, pairs: list[tuple[KFACLayer, torch.Tensor, torch.Tensor]], step: int
-    ) -> None:
-        """Write preconditioned gradients (layer, preconditioned, raw), KL-clipped together."""
-        self._write(pairs, step)
+            layer = self.layers[name]
+            grad = layer.grad_matrix()
+            if grad is None or (
+                isinstance(self.rule, EKFACRule) and name not in self.rule.snapshot
+            ):
+                continue
+            with span(f"precondition {name}", PRECONDITION):
+                p = self.rule.direction(name, grad, *held, damping=damping, update=False)
+            pairs.append((layer, p, grad))
+        self._write(pairs, t)
+        self.rule.rest(self._rest_params(), update=False)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *, include_factors: bool = True) -> dict[str, Any]:
-        """Step counter and settings; with `include_factors`, running factors and results.
+        """Step counter and settings; with `include_factors`, running factors, results and
+        the mode's state (EKFAC's statistic, SOAP's moments).
 
         The state is this worker's own (factors under ``lazy`` sync and the decompositions
         a worker holds differ between workers): checkpoint it per rank.
@@ -872,6 +791,7 @@ class KFAC:
             "steps": self.steps,
             "config": self.cfg.constants(),
             "intervals": [self.intervals.factor, self.intervals.inv],
+            "controller": self.controller.state_dict(),
             "pipeline": self.pipeline.state_dict(include_factors=include_factors),
         }
         if include_factors:
@@ -879,6 +799,7 @@ class KFAC:
                 self._resolve(key)
             state["second_order"] = {k: so.state() for k, so in self._second.items()}
             state["ready"] = sorted(self._ready)
+            state["rule"] = self.rule.state_dict()
             if self.assignment is not None:
                 state["assignment"] = {
                     "inv_rank": dict(self.assignment.inv_rank),
@@ -886,6 +807,7 @@ class KFAC:
                     "group_size": self.assignment.group_size,
                     "world": self.assignment.world,
                     "distribution": str(self.distribution),
+                    "planned_inv": self._planned_inv,
                 }
         return state
 
@@ -903,8 +825,7 @@ class KFAC:
                 "from a state_dict(include_factors=False)"
             )
         self.steps = int(state["steps"])
-        if "intervals" in state:  # until "auto" decides again, after the first steps
-            self.intervals = Intervals(*map(int, state["intervals"]))
+        self.controller.load_state_dict(state.get("controller", {}))
         self.pipeline.load_state_dict(state.get("pipeline", {}))
         self._second.clear()
         self._pending.clear()
@@ -916,6 +837,8 @@ class KFAC:
                 chol=so["chol"], inverse=so["inverse"], basis=so["basis"], values=so["values"],
             )  # fmt: skip
         self._ready.update(state.get("ready", []))
+        if "rule" in state:
+            self.rule.load_state_dict(state["rule"], layers=self.layers, held=self._held)
         asg = state.get("assignment")
         if asg is not None and asg["world"] == self.world:
             self.assignment = Assignment(
@@ -923,10 +846,12 @@ class KFAC:
                 layer_rank=dict(asg["layer_rank"]),
             )  # fmt: skip
             self.distribution = Distribution(asg["distribution"])
-            self._make_groups(self.assignment.group_size)
+            self._planned_inv = asg.get("planned_inv")
+            self.groups.ensure(self.assignment.group_size)
         else:
             self.assignment = None
-            self._ensure_assignment()
+            if self.pipeline.discovered:
+                self._ensure_placement(self._plan(self.steps))
 
 
 def _shared_by_the_batch(layer: KFACLayer, x: torch.Tensor) -> bool:
@@ -940,12 +865,3 @@ def _shared_by_the_batch(layer: KFACLayer, x: torch.Tensor) -> bool:
     return (
         isinstance(layer, EmbeddingLayer) and x.dim() >= 2 and x.shape[0] == 1 and (x.shape[1] > 1)
     )
-
-
-def batch_size(layer: KFACLayer, x: torch.Tensor) -> int:
-    """Samples the layer's mean loss is taken over: the leading dimension of batched input."""
-    if isinstance(layer, Conv2dLayer):
-        return int(x.shape[0]) if x.dim() == 4 else 1
-    if isinstance(layer, EmbeddingLayer):
-        return int(x.shape[0]) if x.dim() >= 1 else 1
-    return int(x.shape[0]) if x.dim() > 1 else 1

@@ -38,11 +38,15 @@ from plait.log import summary_writer
 from plait.specs import OptionValue, parse_spec
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.checkpoint import Checkpointer, has_sharded, load_sharded
-from plait.train.optim import MuonAdamW
+from plait.train.optim import MuonAdamW, heavyball_soap
 from plait.train.strategy import Strategy, make_strategy
 from plait.workloads import DataSplit, Workload, get_workload
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
+#: Optimizer names: ``sgd`` (with `TrainConfig.momentum`), ``sgd-plain`` (no momentum: the
+#: optimizer for K-FAC's eigenbasis-Adam mode, whose moments are its own), ``adam``,
+#: ``adamw``, ``muon`` (`plait.train.optim.MuonAdamW`) and ``heavyball-soap`` (heavyball's
+#: SOAP, the `bench` extra; `plait.train.optim.heavyball_soap`).
+OPTIMIZERS = ("sgd", "sgd-plain", "adam", "adamw", "muon", "heavyball-soap")
 
 logger = logging.getLogger(__name__)
 
@@ -222,12 +226,16 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "sgd-plain":
+        return torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=weight_decay)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "muon":  # Muon for the matrices, AdamW for the rest (plait.train.optim)
         return MuonAdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "heavyball-soap":
+        return heavyball_soap(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
 
 
@@ -399,6 +407,7 @@ class Trainer:
                 with span("backward", COMPUTE):
                     loss.backward()
             total += float(loss.detach())
+        self.strategy.observe_loss(total)
         with span("optimizer", OPTIM):
             self.strategy.before_optimizer_step(self.model)
             self.optimizer.step()

@@ -106,3 +106,31 @@ class MuonAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._share()
+
+
+def heavyball_soap(
+    params: Iterable[Any], *, lr: float, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
+    """heavyball's SOAP (`pip install plait[bench]`), its step uncompiled.
+
+    heavyball compiles parts of its step with ``torch.compile`` on first use, which took
+    about 100 s for a small MLP on this 2-core CPU host and would be charged to the first
+    steps of a race; ``heavyball.utils.compile_mode = None`` runs those parts eagerly
+    (the same arithmetic; the first step of a digits MLP then takes 0.8 s, later ones
+    0.01-0.07 s). Everything else is heavyball's default: betas (0.9, 0.95), Shampoo's
+    factors averaged with 0.95, the eigenbases refreshed every 2 steps (its
+    ``precondition_frequency``).
+
+    Raises:
+        ValueError: heavyball is not installed.
+    """
+    try:
+        import heavyball
+        import heavyball.utils
+    except ImportError:
+        raise ValueError(
+            "optimizer heavyball-soap needs heavyball: pip install 'plait[bench]'"
+        ) from None
+    heavyball.utils.compile_mode = None
+    opt: torch.optim.Optimizer = heavyball.SOAP(params, lr=lr, weight_decay=weight_decay)
+    return opt

@@ -133,6 +133,10 @@ class Strategy(ABC):
         with self.no_sync(model):
             yield
 
+    def observe_loss(self, loss: float) -> None:  # noqa: B027
+        """This rank's training loss of the step, given before `before_optimizer_step`
+        (K-FAC's ``"auto"`` intervals weigh the progress it shows)."""
+
     def before_optimizer_step(self, model: nn.Module) -> None:  # noqa: B027
         """Called after backward (communication finished), before `optimizer.step()`."""
 

@@ -34,7 +34,7 @@ def test_presets_are_typed_configs_and_specs_still_name_them() -> None:
     # a preset by enum or by name; options override its fields, typed like the config's
     by_enum = KFACStrategy(preset=KFACPreset.STATIC, inv_interval=5)
     assert by_enum.name == "kfac-static" and by_enum.config.comm is FactorComm.STATIC
-    assert by_enum.config.inv_interval == 5 and PRESETS[KFACPreset.STATIC].inv_interval == 1
+    assert by_enum.config.inv_interval == 5 and PRESETS[KFACPreset.STATIC].inv_every == 1
     auto = make_strategy("spd-kfac:factor_interval=auto,inv_interval=auto,auto_overhead=0.1")
     assert isinstance(auto, KFACStrategy) and auto.config.auto_intervals
     assert auto.config.auto_overhead == 0.1 and auto.config.sync is FactorSync.LAZY

@@ -250,7 +250,7 @@ def _project_kfac(
 
     from plait.kfac.config import KFACConfig
     from plait.kfac.costs import KFACCosts
-    from plait.kfac.factors import Method, second_order_numel
+    from plait.kfac.factors import second_order_numel
     from plait.kfac.layers import FactorKind
     from plait.kfac.pipeline import FactorComm
     from plait.kfac.placement import (
@@ -270,7 +270,7 @@ def _project_kfac(
     grad_spec = str(options.get("compression", "ssgd")) + (
         ":" + ",".join(f"{k}={v}" for k, v in comp_opts.items()) if comp_opts else ""
     )
-    inv_every = cfg.inv_interval if isinstance(cfg.inv_interval, int) else 1
+    inv_every = cfg.inv_every if isinstance(cfg.inv_every, int) else 1
     layers = layers if layers is not None else kfac_layers(profile)
     names = list(layers)
     cost = profile.strategies.get(profile_key(spec))
@@ -296,7 +296,7 @@ def _project_kfac(
     }
     all_inv = sum(fac_s.values())
     packed = bool(cfg.packed)
-    method = Method(cfg.method)
+    method = cfg.decomposition
     costs = KFACCosts(
         link=link,
         inverse_s_per_n3=max(
@@ -331,7 +331,7 @@ def _project_kfac(
     slowest = max(range(world), key=lambda i: loads[i])
     mine = loads[slowest]
     lazy = str(cfg.sync) == "lazy"
-    fac_every = cfg.factor_interval if isinstance(cfg.factor_interval, int) else 1
+    fac_every = cfg.factor_every if isinstance(cfg.factor_every, int) else 1
     # the one-process step's compute splits into the passes (with the factors), every
     # inversion (a world of one inverts them all), and preconditioning plus the optimizer
     precond = _precondition_s(layers, profile.flop_s)

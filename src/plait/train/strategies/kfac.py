@@ -13,13 +13,14 @@ distributed mechanics, which is what the benchmarks compare:
   arrives, lazy factor sync and the distribution the cost model prices cheapest.
 
 Every `KFACConfig` field is an option (``spd-kfac:inv_interval=10,method=eigen``), so any
-mechanism can be switched on or off for any of them.
+mechanism can be switched on or off for any of them, and so is the preconditioning rule:
+``spd-kfac:mode=ekfac`` and ``spd-kfac:mode=soap`` (Adam in K-FAC's eigenbasis; train it
+with ``--optimizer sgd-plain``, SGD without momentum) share all three mechanics.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import fields, replace
 from enum import StrEnum
@@ -32,12 +33,9 @@ from torch import nn
 from plait.comm import Collective
 from plait.dp import compressor_class, compressor_of, data_parallel
 from plait.kfac.config import KFACConfig
-from plait.kfac.factors import precondition
-from plait.kfac.layers import KFACLayer
 from plait.kfac.pipeline import FactorComm, FactorSync
 from plait.kfac.placement import Distribution, PlacementPolicy
-from plait.kfac.preconditioner import KFAC, batch_size, check_model
-from plait.trace import PRECONDITION, span
+from plait.kfac.preconditioner import KFAC, check_model
 from plait.train.strategies.dp import DDP_OPTIONS, check_compressor, check_ddp_options
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
 
@@ -143,6 +141,7 @@ class KFACStrategy(Strategy):
         self._model: nn.Module | None = None
         self._pending_state: dict[str, Any] | None = None
         self._compute_only = False
+        self._loss: float | None = None
 
     def check(self, model: nn.Module, *, world: int) -> None:
         """Refuse, before launch, a model with no layer K-FAC can precondition.
@@ -185,21 +184,27 @@ class KFACStrategy(Strategy):
     @contextlib.contextmanager
     def compute_only(self, model: nn.Module) -> Iterator[None]:
         """A step computing what this worker would (factors, its decompositions, its
-        preconditioning), communicating nothing and leaving K-FAC's state untouched."""
+        preconditioning), communicating nothing and leaving K-FAC's state untouched: the
+        factor hooks hand their sums to nowhere (`FactorCapture.redirected`) and the step
+        is `KFAC.dry_step`."""
         with super().no_sync(model), contextlib.ExitStack() as stack:
             if self.kfac is not None:
-                stack.enter_context(_compute_only_hooks(self.kfac))
+                stack.enter_context(self.kfac.capture.redirected())
                 self._compute_only = True
                 stack.callback(setattr, self, "_compute_only", False)
             yield
 
+    def observe_loss(self, loss: float) -> None:
+        self._loss = loss
+
     def before_optimizer_step(self, model: nn.Module) -> None:
         if self.kfac is None:
             return
+        loss, self._loss = self._loss, None
         if self._compute_only:
-            _compute_only_step(self.kfac)
+            self.kfac.dry_step()
         else:
-            self.kfac.step()
+            self.kfac.step(loss)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
@@ -230,62 +235,6 @@ class KFACStrategy(Strategy):
     def describe(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
         return f"{self.name}:{opts}" if opts else self.name
-
-
-@contextlib.contextmanager
-def _compute_only_hooks(kfac: KFAC) -> Iterator[None]:
-    """Swap K-FAC's hooks for ones that compute the factors and discard them."""
-    kfac.remove()
-    handles = []
-
-    def on_forward(layer: KFACLayer, module: nn.Module, inputs: tuple[Any, ...], out: Any) -> None:
-        if not inputs or not isinstance(inputs[0], torch.Tensor):
-            return
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        if kfac.steps % int(kfac.at("factor_interval", kfac.steps)):
-            return
-        x = inputs[0].detach()
-        batch = batch_size(layer, x)
-        reduce = kfac.reduces(layer)
-        layer.a_sum(x, packed=kfac.pipeline.layout.packed, reduce_to=batch if reduce else None)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-
-            def on_grad(grad: torch.Tensor) -> None:
-                with torch.no_grad():
-                    layer.g_sum(grad.detach(), batch, packed=kfac.pipeline.layout.packed,
-                                reduce=reduce)  # fmt: skip
-
-            out.register_hook(on_grad)
-
-    try:
-        for layer in kfac.layers.values():
-            handles.append(layer.module.register_forward_hook(functools.partial(on_forward, layer)))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        kfac.attach()
-
-
-@torch.no_grad()
-def _compute_only_step(kfac: KFAC) -> None:
-    """What `KFAC.step` computes on this worker, with no communication or state change:
-    its decompositions (if the last step inverted) and its layers' preconditioning."""
-    if kfac.assignment is None:
-        return
-    t = max(kfac.steps - 1, 0)
-    if kfac.is_inversion_step(t):
-        for slot in kfac.inversions_here():
-            kfac.decompose(slot, t)
-    pairs = []
-    for layer, a, g in kfac.held_decompositions():
-        grad = layer.grad_matrix()
-        if grad is None:
-            continue
-        with span(f"precondition {layer.name}", PRECONDITION):
-            pairs.append((layer, precondition(grad, a, g), grad))
-    kfac.write_gradients(pairs, t)
 
 
 def _factory(preset: KFACPreset) -> Any:
