@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -123,20 +122,13 @@ def _resume(rank: int) -> dict[str, torch.Tensor]:
     return {"straight": straight, "resumed": resumed}
 
 
-def _threads() -> int:
-    """Threads of this process, torchft's Rust servers' included (Python sees only its own)."""
-    time.sleep(1.0)  # a closed manager's HTTP server thread polls for its stop every 0.5 s
-    return len(os.listdir("/proc/self/task"))
-
-
 def _job(rank: int, world: int) -> dict[str, Any]:
     steps = 2 * H
-    out = {"torchft": _train(f"torchft-diloco:sync_every={H}", rank, steps)}
-    threads = _threads()  # after one strategy came and went (runtimes made once stay)
-    out["plait"] = _train(f"diloco:inner_steps={H}", rank, steps)
-    out["resume"] = _resume(rank)  # three more strategies
-    out["threads"] = (threads, _threads())
-    return out
+    return {
+        "torchft": _train(f"torchft-diloco:sync_every={H}", rank, steps),
+        "plait": _train(f"diloco:inner_steps={H}", rank, steps),
+        "resume": _resume(rank),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -230,13 +222,6 @@ def test_torchft_and_plait_diloco_agree(ranks: list[dict[str, Any]]) -> None:
         for step in range(2 * H):
             assert torch.equal(r["torchft"]["params"][step], r["plait"]["params"][step]), step
         assert torch.equal(r["torchft"]["shared"], r["plait"]["shared"])
-
-
-@needs_torchft
-def test_closed_strategies_leave_no_threads(ranks: list[dict[str, Any]]) -> None:
-    for r in ranks:
-        after_one, after_four = r["threads"]
-        assert after_four <= after_one, r["threads"]
 
 
 @needs_torchft
