@@ -262,6 +262,8 @@ def test_ratio_interval_pairs_seeds_and_counts_misses_as_never() -> None:
     )
     assert verdict(0.5, 0.5) == "faster" and verdict(1.1, 2.0) == "slower"
     assert verdict(0.8, 1.2) == "no verdict" and verdict(None, None) == "no verdict"
+    # one seed's interval has no width: it must not make a verdict
+    assert verdict(0.5, 0.5, seeds=1) == "too few seeds" == verdict(0.5, 0.6, seeds=4)
     # seeds that disagree: the interval spans 1, whatever the point ratio says
     ratio, lo, hi = ratio_interval([1.0, 3.0, 1.0, 3.0, 2.0], [2.0, 2.0, 2.0, 2.0, 2.0])
     assert ratio == 1.0 and lo is not None and hi is not None and lo < 1 < hi

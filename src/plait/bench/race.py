@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 #: Seeds of a race by default: five, the fewest that give a bootstrap interval over seeds
 #: some meaning (with three, a single seed decides a median).
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
+#: The fewest seeds whose interval may make a verdict: with fewer, a bootstrap over seeds
+#: has too few distinct resamples to mean anything (one seed gives a zero-width interval).
+MIN_VERDICT_SEEDS = 5
 #: Bootstrap resamples behind every interval, and the interval's coverage. The resampling
 #: generator is seeded, so the same results always give the same interval.
 BOOTSTRAP_RESAMPLES = 10_000
@@ -658,9 +661,12 @@ def ratio_interval(
     return (None if math.isnan(point) else point), lo, hi
 
 
-def verdict(lo: float | None, hi: float | None) -> str:
-    """What an interval of a time ratio (a over b) says: ``faster`` when it lies wholly
-    below 1, ``slower`` wholly above, ``no verdict`` when it holds 1 (or is undefined)."""
+def verdict(lo: float | None, hi: float | None, seeds: int = MIN_VERDICT_SEEDS) -> str:
+    """What an interval of a time ratio (a over b) over `seeds` paired seeds says:
+    ``faster`` when it lies wholly below 1, ``slower`` wholly above, ``no verdict`` when it
+    holds 1 (or is undefined), ``too few seeds`` below `MIN_VERDICT_SEEDS`."""
+    if seeds < MIN_VERDICT_SEEDS:
+        return "too few seeds"
     if lo is None or hi is None:
         return "no verdict"
     if hi < 1:
@@ -700,7 +706,7 @@ def compare(results: Sequence[RaceResult], a: str, b: str) -> Comparison:
         raise ValueError(f"entries {a!r} and {b!r} share no seed")
     ratio, lo, hi = ratio_interval([ta[x] for x in seeds], [tb[x] for x in seeds])
     return Comparison(
-        a=a, b=b, ratio=ratio, lo=lo, hi=hi, verdict=verdict(lo, hi), seeds=len(seeds)
+        a=a, b=b, ratio=ratio, lo=lo, hi=hi, verdict=verdict(lo, hi, len(seeds)), seeds=len(seeds)
     )
 
 
@@ -791,6 +797,8 @@ def _span(med: float | None, lo: float | None, hi: float | None, fmt: str) -> st
 def _ratio_text(ratio: float | None, lo: float | None, hi: float | None) -> str:
     if ratio is None:
         return "-"
+    if ratio == 0:
+        return "0 (only the numerator reached)"
     text = f"{ratio:.2f}x" if math.isfinite(ratio) else "never"
     if lo is None or hi is None:
         return f"{text} [undefined]"
