@@ -117,7 +117,9 @@ def test_race_candidates_and_the_map(tmp_path: Path) -> None:
         {"workload": "gpt", "spec": "ssgd", "optimizer": "adamw", "steps_to_target": 5.0},
     ]
     (tmp_path / "results.json").write_text(json.dumps(race))
-    cands = pj.race_candidates([tmp_path / "results.json"], "mlp")
+    study = tmp_path / "study.json"  # another record kept beside the races: skipped
+    study.write_text(json.dumps({"workload": "mlp", "runs": []}))
+    cands = pj.race_candidates([study, tmp_path / "results.json"], "mlp")
     assert [(c.name, c.steps) for c in cands] == [
         ("acpsgd:rank=4+sgd", 140.0), ("ssgd+sgd", 100.0)
     ]  # fmt: skip

@@ -166,11 +166,15 @@ class Candidate:
 def race_candidates(races: Sequence[Path], workload: str) -> list[Candidate]:
     """Every (strategy, optimizer) the races of `workload` took to their target, with the
     median of their steps to target over those races (entries that never reached it left
-    out: their time to target is unknown)."""
+    out: their time to target is unknown). A results.json that is not a race's list of
+    entries (a study's record in the same folder) is skipped."""
     seen: dict[tuple[str, str], list[float]] = {}
     for path in races:
-        for r in json.loads(Path(path).read_text()):
-            if r["workload"] != workload or r.get("steps_to_target") is None:
+        doc = json.loads(Path(path).read_text())
+        for r in doc if isinstance(doc, list) else []:
+            if not isinstance(r, dict) or "spec" not in r or "optimizer" not in r:
+                continue
+            if r.get("workload") != workload or r.get("steps_to_target") is None:
                 continue
             seen.setdefault((r["spec"], r["optimizer"]), []).append(float(r["steps_to_target"]))
     return [
