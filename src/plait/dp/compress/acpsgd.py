@@ -45,8 +45,7 @@ fp16/bf16 gradients work, and the state checkpoints per parameter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch._C._distributed_c10d import GradBucket
@@ -67,25 +66,7 @@ class ACPSGD(LowRankCompressor):
     `warmup` defaults to 2 dense steps: see the module docstring)."""
 
     name = "acpsgd"
-
-    def __init__(
-        self,
-        *,
-        group: Any = None,
-        rank: int = 4,
-        min_compression_rate: float = 2.0,
-        layer_ranks: str | Mapping[str, int] | None = None,
-        warmup: int = 2,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(
-            group=group,
-            rank=rank,
-            min_compression_rate=min_compression_rate,
-            layer_ranks=layer_ranks,
-            warmup=warmup,
-            seed=seed,
-        )
+    default_warmup = 2
 
     def phase_of(self, step: int) -> Phase:
         if step < self.warmup:

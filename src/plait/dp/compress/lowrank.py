@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch._C._distributed_c10d import GradBucket
@@ -393,9 +393,13 @@ class LowRankCompressor(Compressor):
         min_compression_rate: matrices compressing less than this travel uncompressed.
         layer_ranks: per-parameter ranks, a mapping or ``"pattern:rank;..."`` (fnmatch on
             parameter names; 0 sends that parameter uncompressed).
-        warmup: steps of plain all-reduce before compression starts.
+        warmup: steps of plain all-reduce before compression starts (None: the method's
+            `default_warmup`).
         seed: initial factors derive from (seed, parameter name), the same on every rank.
     """
+
+    #: Dense warm-up steps when `warmup` is not given.
+    default_warmup: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -404,10 +408,12 @@ class LowRankCompressor(Compressor):
         rank: int = 4,
         min_compression_rate: float = 2.0,
         layer_ranks: str | Mapping[str, int] | None = None,
-        warmup: int = 0,
+        warmup: int | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(group=group)
+        if warmup is None:
+            warmup = self.default_warmup
         self.policy = RankPolicy(
             rank=rank,
             min_compression_rate=min_compression_rate,

@@ -68,7 +68,7 @@ class PowerSGD(LowRankCompressor):
         rank: int = 4,
         min_compression_rate: float = 2.0,
         layer_ranks: str | Mapping[str, int] | None = None,
-        warmup: int = 0,
+        warmup: int | None = None,
         seed: int = 0,
         timeout_s: float = 600.0,
     ) -> None:
