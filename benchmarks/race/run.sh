@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PLAIT=${PLAIT:-.venv/bin/plait}
-OUT=benchmarks/race
+OUT=${OUT:-benchmarks/race}
 
 KFAC="spd-kfac:factor_interval=auto,inv_interval=auto"
 KFAC_ACP="spd-kfac:compression=acpsgd,rank=4,factor_interval=auto,inv_interval=auto"

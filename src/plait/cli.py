@@ -446,6 +446,14 @@ def _add_race_parser(sub: Any) -> None:
         help="train nothing: re-read DIR/results.json, add the intervals and verdicts (and "
         "--compare's ratios) and rewrite DIR/results.md",
     )
+    ra.add_argument(
+        "--merge",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --report: pool DIR's runs (the same entries and settings, other seeds) "
+        "into --report's race, and rewrite it (repeatable)",
+    )
     _add_cluster_args(ra)
     ra.set_defaults(nodes=4)
 
@@ -790,6 +798,7 @@ def cmd_race(args: argparse.Namespace) -> int:
     from plait.bench.race import (
         annotate,
         markdown,
+        merge,
         parse_pairs,
         read_results,
         run_race,
@@ -800,6 +809,8 @@ def cmd_race(args: argparse.Namespace) -> int:
     if args.report:
         folder = Path(args.report)
         old = annotate(read_results(folder / "results.json"))
+        if args.merge:
+            old = merge([old, *(read_results(Path(d) / "results.json") for d in args.merge)])
         write_reports(old, folder, pairs)
         print(markdown(old, pairs), end="")
         print(f"rewrote {folder / 'results.md'} and {folder / 'results.png'}")
@@ -1513,7 +1524,7 @@ def _race_spec(args: argparse.Namespace) -> Any:
 
 
 def _validate_race(args: argparse.Namespace) -> None:
-    from plait.bench.race import compare, parse_pairs, read_results
+    from plait.bench.race import compare, merge, parse_pairs, read_results
 
     pairs = parse_pairs(args.compare)
     if args.report:
@@ -1521,9 +1532,19 @@ def _validate_race(args: argparse.Namespace) -> None:
         if not results.is_file():
             raise ValueError(f"--report {args.report!r}: no results.json there")
         old = read_results(results)
+        parts = [old]
+        for d in args.merge:
+            other = Path(d) / "results.json"
+            if not other.is_file():
+                raise ValueError(f"--merge {d!r}: no results.json there")
+            parts.append(read_results(other))
+        if args.merge:
+            old = merge(parts)  # other entries or settings, or a seed twice, fail here
         for a, b in pairs:
             compare(old, a, b)  # unknown labels fail here, in one line
         return
+    if args.merge:
+        raise ValueError("--merge pools finished races: it needs --report DIR")
     if args.target is None:
         raise ValueError("--target is required (a held-out accuracy, or a loss with --metric loss)")
     _check_cluster_args(args)

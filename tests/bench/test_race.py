@@ -3,7 +3,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +12,12 @@ import pytest
 from plait.bench.race import (
     Entry,
     RacePoint,
+    RaceResult,
     RaceRun,
     RaceSpec,
     compare,
     median_range,
+    merge,
     parse_entry,
     parse_lr_map,
     parse_pairs,
@@ -307,6 +309,52 @@ def test_compare_pairs_and_report_of_old_results(tmp_path: Path) -> None:
     assert again[1].verdict == "faster" and again[1].time_ratio_hi is not None
     md = (tmp_path / "results.md").read_text()
     assert "| fp16+sgd / ssgd+sgd | 0.50x [0.50-0.50] | 5 | faster |" in md
+
+
+def test_merge_pools_seeds_run_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two batches of seeds of one race make the race of all its seeds: the same medians
+    and verdicts as if they had run in one invocation."""
+    entries = [Entry(spec="ssgd", optimizer="sgd", lr=0.1), Entry(spec="fp16", optimizer="sgd")]
+
+    def race(seeds: list[int], command: str) -> list[RaceResult]:
+        spec = RaceSpec(workload="mlp", target=0.9, seeds=seeds, max_steps=40, entries=entries)
+        runs = [_run("ssgd+sgd", s, 20, per_step_s=1.0 + s / 10) for s in seeds]
+        runs += [_run("fp16+sgd", s, 20 if s else None, per_step_s=0.5) for s in seeds]
+        out = summarise(spec, runs, nodes=2, nproc_per_node=1, batch_size=8)
+        for r in out:
+            r.provenance = {"command": command, "commit": "c"}
+        return out
+
+    whole = race([0, 1, 2, 3, 4], "all")
+    merged = merge([race([0], "first"), race([1, 2, 3, 4], "rest")])
+    assert [r.seeds for r in merged] == [[0, 1, 2, 3, 4]] * 2
+    for a, b in zip(merged, whole, strict=True):  # only the provenance differs
+        assert replace(a, provenance={}) == replace(b, provenance={})
+    assert merged[1].reached == 4 and merged[1].time_ratio == pytest.approx(0.5 / 1.2)
+    assert merged[0].provenance["commands"] == ["first", "rest"]
+    write_reports(merged, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "several invocations" in md and "- `first`" in md and "- `rest`" in md
+    # the CLI: --report DIR --merge OTHER rewrites DIR with the runs of both
+    for name, part in (("a", race([0, 1], "a")), ("b", race([2, 3, 4], "b"))):
+        write_reports(part, tmp_path / name)
+    from plait import cli
+
+    argv = ["race", "--report", str(tmp_path / "a"), "--merge", str(tmp_path / "b")]
+    assert cli.main(argv) == 0
+    assert read_results(tmp_path / "a" / "results.json")[1].seeds == [0, 1, 2, 3, 4]
+    # what makes two races not one
+    with pytest.raises(ValueError, match="seed 1 ran in two"):
+        merge([race([0, 1], "a"), race([1, 2], "b")])
+    other = race([5], "b")
+    other[1].lr = 0.2
+    with pytest.raises(ValueError, match=r"'fp16\+sgd': lr is 0.1 in race 1, 0.2 in race 2"):
+        merge([race([0], "a"), other])
+    with pytest.raises(ValueError, match=r"race 2 has entries ssgd\+sgd;"):
+        merge([race([0], "a"), race([1], "b")[:1]])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["race", "--merge", str(tmp_path / "b"), "--target", "0.9"])
+    assert exc.value.code == 2 and "it needs --report DIR" in capsys.readouterr().err
 
 
 # --------------------------------------------------------- the runner on a cluster

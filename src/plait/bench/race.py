@@ -710,6 +710,35 @@ def compare(results: Sequence[RaceResult], a: str, b: str) -> Comparison:
     )
 
 
+def _stats(runs: Sequence[RaceRun]) -> dict[str, Any]:
+    """An entry's medians with [min, max] over its runs (one per seed), as `RaceResult`
+    fields."""
+    t_med, t_min, t_max = median_range([r.time_to_target_s for r in runs])
+    s_med, s_min, s_max = median_range([r.steps_to_target for r in runs])
+    f_med, f_min, f_max = median_range([r.final_metric for r in runs])
+    b_med, b_min, b_max = median_range([r.bytes_per_worker for r in runs])
+    per_step, _, _ = median_range([r.bytes_per_worker / max(1, r.steps) for r in runs])
+    assert f_med is not None and b_med is not None  # measured on every run
+    return {
+        "seeds": [r.seed for r in runs],
+        "reached": sum(r.reached for r in runs),
+        "time_to_target_s": t_med,
+        "time_to_target_min_s": t_min,
+        "time_to_target_max_s": t_max,
+        "steps_to_target": s_med,
+        "steps_to_target_min": None if s_min is None else int(s_min),
+        "steps_to_target_max": None if s_max is None else int(s_max),
+        "final_metric": f_med,
+        "final_metric_min": f_min or 0.0,
+        "final_metric_max": f_max or 0.0,
+        "bytes_per_worker": b_med,
+        "bytes_per_worker_min": b_min or 0.0,
+        "bytes_per_worker_max": b_max or 0.0,
+        "runs": list(runs),
+        "bytes_per_step": per_step,
+    }
+
+
 def summarise(
     spec: RaceSpec,
     runs: Sequence[RaceRun],
@@ -724,12 +753,6 @@ def summarise(
         mine = sorted((r for r in runs if r.label == e.label), key=lambda r: r.seed)
         if not mine:
             raise ValueError(f"no runs of race entry {e.label!r}")
-        t_med, t_min, t_max = median_range([r.time_to_target_s for r in mine])
-        s_med, s_min, s_max = median_range([r.steps_to_target for r in mine])
-        f_med, f_min, f_max = median_range([r.final_metric for r in mine])
-        b_med, b_min, b_max = median_range([r.bytes_per_worker for r in mine])
-        per_step, _, _ = median_range([r.bytes_per_worker / max(1, r.steps) for r in mine])
-        assert f_med is not None and b_med is not None  # measured on every run
         results.append(
             RaceResult(
                 workload=spec.workload,
@@ -739,20 +762,6 @@ def summarise(
                 lr=mine[0].lr,
                 metric=spec.metric,
                 target=spec.target,
-                seeds=[r.seed for r in mine],
-                reached=sum(r.reached for r in mine),
-                time_to_target_s=t_med,
-                time_to_target_min_s=t_min,
-                time_to_target_max_s=t_max,
-                steps_to_target=s_med,
-                steps_to_target_min=None if s_min is None else int(s_min),
-                steps_to_target_max=None if s_max is None else int(s_max),
-                final_metric=f_med,
-                final_metric_min=f_min or 0.0,
-                final_metric_max=f_max or 0.0,
-                bytes_per_worker=b_med,
-                bytes_per_worker_min=b_min or 0.0,
-                bytes_per_worker_max=b_max or 0.0,
                 time_ratio=None,
                 nodes=nodes,
                 nproc_per_node=nproc_per_node,
@@ -764,11 +773,62 @@ def summarise(
                 eval_every=spec.eval_every,
                 chunk=spec.chunk,
                 full_budget=spec.full_budget,
-                runs=mine,
-                bytes_per_step=per_step,
+                **_stats(mine),
             )
         )
     return annotate(results)
+
+
+#: what two races must share for their runs to make one race (`merge`)
+_SAME_RACE = (
+    "workload", "spec", "optimizer", "lr", "metric", "target", "nodes", "nproc_per_node",
+    "rate", "batch_size", "max_steps", "eval_every", "chunk", "full_budget",
+)  # fmt: skip
+
+
+def merge(parts: Sequence[Sequence[RaceResult]]) -> list[RaceResult]:
+    """One race from races of the same entries and settings run apart, on other seeds (a
+    second batch of seeds, run later or on a twin host): the runs pooled, the medians,
+    ratios and verdicts taken again over all of them.
+
+    The merged records keep the first race's provenance, and list every part's command
+    under ``commands``.
+
+    Raises:
+        ValueError: the races differ in their entries (or their order) or in a setting of
+            `_SAME_RACE`, or a seed ran in two of them.
+    """
+    if not parts or not parts[0]:
+        raise ValueError("merge needs at least one race with entries")
+    first = parts[0]
+    labels = [r.label for r in first]
+    for i, other in enumerate(parts[1:], 1):
+        theirs = [r.label for r in other]
+        if theirs != labels:
+            raise ValueError(
+                f"race {i + 1} has entries {', '.join(theirs)}; race 1 has {', '.join(labels)}"
+            )
+        for a, b in zip(first, other, strict=True):
+            for name in _SAME_RACE:
+                if getattr(a, name) != getattr(b, name):
+                    raise ValueError(
+                        f"entry {a.label!r}: {name} is {getattr(a, name)!r} in race 1, "
+                        f"{getattr(b, name)!r} in race {i + 1}"
+                    )
+    commands: list[str] = []
+    for part in parts:
+        prov = part[0].provenance
+        commands += prov.get("commands") or [prov.get("command", "")]
+    merged = []
+    for k, r in enumerate(first):
+        runs = sorted((run for part in parts for run in part[k].runs), key=lambda x: x.seed)
+        seeds = [run.seed for run in runs]
+        twice = sorted({x for x in seeds if seeds.count(x) > 1})
+        if twice:
+            raise ValueError(f"entry {r.label!r}: seed {twice[0]} ran in two of the races")
+        prov = {**r.provenance, "commands": commands}
+        merged.append(replace(r, time_ratio=None, provenance=prov, **_stats(runs)))
+    return annotate(merged)
 
 
 def annotate(results: list[RaceResult]) -> list[RaceResult]:
@@ -938,8 +998,14 @@ def write_reports(
 ) -> None:
     """results.json (one record per entry with its runs), results.md and results.png."""
     write_json(results, out / "results.json")
-    command = results[0].provenance.get("command", "") if results else ""
-    head = f"# Race\n\nCommand: `{command}`\n\n" if command else "# Race\n\n"
+    prov = results[0].provenance if results else {}
+    commands = [c for c in prov.get("commands") or [prov.get("command", "")] if c]
+    head = "# Race\n\n"
+    if len(commands) == 1:
+        head += f"Command: `{commands[0]}`\n\n"
+    elif commands:  # a merged race (`merge`): its seeds ran in several invocations
+        head += "Commands (the seeds ran in several invocations, pooled here):\n\n"
+        head += "".join(f"- `{c}`\n" for c in commands) + "\n"
     write_markdown(head + markdown(results, compare_pairs), out / "results.md")
     plot(results, out / "results.png")
 
