@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 DOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
-.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused race gpu-suite docs clean
+.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused bench-fused-hf race gpu-suite docs clean
 
 install: $(STAMP)
 
@@ -63,6 +63,18 @@ bench: install
 
 bench-fused: install
 	$(BIN)/plait bench-fused --threads 1,2 --out benchmarks/hfta/grid
+
+# The Hugging Face configs of examples/transformers_workloads.py as fused arrays (captured
+# with torch.export) against plait's vmap fallback, the members one after another and
+# torch.func's stack_module_state + vmap, at N = 4, 16, 32; three invocations (the medians
+# of RESULTS.md are over them), then each member's fidelity to a stock model at N = 16.
+HF := examples/transformers_workloads.py
+HF_MODELS := $(HF):gpt2,$(HF):bert,$(HF):llama,$(HF):resnet18
+bench-fused-hf: install
+	for i in 1 2 3; do $(BIN)/plait bench-fused --workload $(HF_MODELS) --n 4,16,32 \
+		--strategies fused,fallback,serial,vmap --out benchmarks/hfta/hf-models-$$i; done
+	$(BIN)/plait bench-fused --fidelity 10 --workload $(HF_MODELS) --n 16 \
+		--out benchmarks/hfta/hf-fidelity
 
 # Time to accuracy: the races of benchmarks/RESULTS.md (benchmarks/race/run.sh: the learning
 # rates' tuning race, optimizers, compressors), then the 32-trial sweep fused vs trials one

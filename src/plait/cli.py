@@ -624,6 +624,16 @@ def _add_bench_fused_parser(sub: Any) -> None:
         help="fused arrays on torch's kernels only, without plait's native CPU "
         "kernels (plait.fused.native)",
     )
+    f.add_argument(
+        "--fidelity",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="measure fidelity instead of throughput: each array of --n models trains STEPS "
+        "steps of SGD and of Adam fused and one model after another (float32 and float64), "
+        "and the report gives each member's largest relative difference "
+        "(DIR/fidelity.json, .md)",
+    )
 
 
 def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkSpec:
@@ -996,6 +1006,18 @@ def cmd_bench_fused(args: argparse.Namespace) -> int:
     from plait.bench.fused import ArrayStrategy, BenchConfig, StockAdam, run_bench_fused
     from plait.bench.fused.report import markdown_table, write_reports
 
+    if args.fidelity is not None:
+        from plait.bench.fused import fidelity
+
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        results = fidelity.run_fidelity(
+            models, sizes=args.n, steps=args.fidelity, batch=args.batch_size
+        )
+        print(fidelity.markdown(results))
+        if args.out:
+            written = fidelity.write_reports(results, Path(args.out))
+            print("wrote " + ", ".join(map(str, written)))
+        return 0
     cfg = BenchConfig(
         models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
         sizes=args.n,
@@ -1700,6 +1722,10 @@ def _validate_bench_fused(args: argparse.Namespace) -> None:
     _int_at_least("--warmup", args.warmup, 0)
     _check_device("--device", args.device)
     _writable_dir("--out", args.out)
+    if args.fidelity is not None:
+        _int_at_least("--fidelity", args.fidelity, 1)
+        if args.device != "cpu":
+            raise ValueError("--fidelity measures on the CPU (float64 references): drop --device")
 
 
 def _validate_demo(args: argparse.Namespace) -> None:

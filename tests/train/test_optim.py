@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import copy
+import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,3 +71,48 @@ def test_muon_adamw_state_dict_round_trip() -> None:
     _train(clone, [resumed], 2)
     for a, b in zip(model.parameters(), clone.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_sgd_plain_has_no_momentum() -> None:
+    """The same gradient twice: plain SGD moves lr * g both times, where SGD with the
+    trainer's default momentum (0.9) would move 1.9 * lr * g the second time."""
+    w = nn.Parameter(torch.zeros(3))
+    opt = build_optimizer("sgd-plain", [w], lr=0.5)
+    g = torch.tensor([1.0, -2.0, 4.0])
+    moves = []
+    for _ in range(2):
+        before = w.detach().clone()
+        w.grad = g.clone()
+        opt.step()
+        moves.append(w.detach() - before)
+    torch.testing.assert_close(moves[0], -0.5 * g, rtol=0, atol=0)
+    torch.testing.assert_close(moves[1], -0.5 * g, rtol=0, atol=0)
+
+
+def test_heavyball_soap_runs_eagerly_and_trains() -> None:
+    """heavyball's SOAP as the trainer builds it: its torch.compile switched off (the
+    first step would otherwise compile for about 100 s) and a loss that falls."""
+    pytest.importorskip("heavyball")  # the bench extra
+    import heavyball
+    import heavyball.utils
+
+    model = _model()
+    opt = build_optimizer("heavyball-soap", model.parameters(), lr=0.01)
+    assert isinstance(opt, heavyball.SOAP) and heavyball.utils.compile_mode is None
+    x = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_heavyball_soap_without_heavyball_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "heavyball", None)  # import heavyball raises ImportError
+    with pytest.raises(
+        ValueError, match=r"heavyball-soap needs heavyball: pip install 'plait\[bench\]'"
+    ):
+        build_optimizer("heavyball-soap", [nn.Parameter(torch.zeros(2))], lr=0.1)

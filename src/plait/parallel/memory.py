@@ -2,10 +2,13 @@
 
 The model (`estimate_memory`) counts, per rank, the model state (parameters, gradients and
 optimizer states, each divided by the axes that shard it), the buffers the engines add
-(DDP's gradient buckets, FSDP's unsharded blocks) and the activations kept for backward
-(per block and micro-batch, times the micro-batches a schedule keeps in flight; one block
-input per block under activation checkpointing). Activation sizes are measured on the
-model itself (`measure_activations`), not assumed.
+(FSDP's unsharded blocks) and the activations kept for backward (per block and
+micro-batch, times the micro-batches a schedule keeps in flight; one block input per
+block under activation checkpointing). The peak is the larger of two moments: the
+activations' peak, with the gradients only where they already exist then (DDP's buckets,
+a 1F1B pipeline), and the end of backward, with every gradient. Activation sizes are
+measured on the model itself (`measure_activations`), not assumed; the model is checked
+against the meter below on every plan shape (benchmarks/parallel/memory.md).
 
 `PeakMemory` measures what a step really holds: a dispatch mode that sees every tensor
 storage an operator creates (unwrapping DTensors to their local shards) and follows it
@@ -123,13 +126,28 @@ def measure_activations(
 # ------------------------------------------------------------------------- model
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """Bytes per rank (the most loaded rank) under a plan."""
+    """Bytes per rank (the most loaded rank) under a plan.
+
+    Attributes:
+        params, grads, optimizer: the model state (this rank's shards).
+        buffers: what the engines hold through the step (FSDP's unsharded parameters).
+        activations: saved for backward at their peak, with a block's backward temporaries.
+        after_backward: what the step holds beside the gradients once the activations are
+            gone (gradient averaging's fused bucket).
+        grads_with_activations: whether every gradient exists while the activations peak
+            (DDP's gradients are its buckets, allocated once; a 1F1B pipeline's first
+            backward creates its stage's gradients while later micro-batches' activations
+            are still held) or only appear as they are freed (the gradients of one plain
+            backward, GPipe's and zero-bubble's weight gradients).
+    """
 
     params: float
     grads: float
     optimizer: float
     buffers: float
     activations: float
+    after_backward: float = 0.0
+    grads_with_activations: bool = True
 
     @property
     def model_state(self) -> float:
@@ -137,23 +155,29 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.model_state + self.buffers + self.activations
+        """The peak: the model state and buffers, and the larger of the activations'
+        peak and the end of backward."""
+        during = self.activations + (self.grads if self.grads_with_activations else 0.0)
+        after = self.grads + self.after_backward
+        return self.params + self.optimizer + self.buffers + max(during, after)
 
 
 #: Share of a block's saved activations that tensor parallelism splits (projections, MLP
 #: hidden, attention) when norms and residuals stay replicated (no sequence parallelism).
-#: Measured on the GPT: tp=2 without sp keeps 0.4 of a block's activations, so this is
-#: a conservative value.
+#: Measured on the GPT (benchmarks/parallel/memory.md): `dp=2,tp=2` peaks with 0.55 of a
+#: block's activations per rank at this share, within 2% of the meter.
 TP_SPLIT_SHARE = 0.9
 
 
-#: Headroom on activations for temporaries the count of saved tensors misses (the
-#: gradient buffers of backward, allocator rounding): the planner must not under-estimate.
-ACTIVATION_MARGIN = 0.2
+#: Headroom on activations for what the count of saved tensors misses (allocator
+#: rounding, the loss's temporaries): the planner must not under-estimate. A plain
+#: backward of the GPT (benchmarks/parallel/memory.md, `dp=1`) peaks 3% above the saved
+#: tensors plus one block's backward temporaries; 10% covers it with room.
+ACTIVATION_MARGIN = 0.1
 
 
 def in_flight(plan: Plan) -> int:
-    """Micro-batches whose activations a rank's stage holds at once, at most."""
+    """(Micro-batch, stage) pairs whose activations a rank holds at once, at most."""
     m = plan.n_microbatches()
     if plan.pp == 1:
         return 1
@@ -163,6 +187,13 @@ def in_flight(plan: Plan) -> int:
         return min(m, plan.pp)
     # two stages per rank: warm-up fills both
     return min(2 * m, 3 * plan.pp)
+
+
+def grads_with_activations(plan: Plan) -> bool:
+    """Whether a rank's gradients all exist while its activations peak (`MemoryEstimate`)."""
+    if plan.pp == 1:  # DDP (data parallel alone, ZeRO 0-1) keeps its gradients as buckets
+        return (plan.dp or 1) > 1 and plan.tp == 1 and plan.zero <= ZeroStage.OPTIMIZER
+    return plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
 
 
 def estimate_memory(
@@ -185,10 +216,6 @@ def estimate_memory(
     dp, tp, pp = plan.dp or 1, plan.tp, plan.pp
     s = bytes_per_param
     stages = plan.n_stages()
-    blocks_local = math.ceil(dims.layers / stages) * (
-        plan.schedule.stages_per_rank if pp > 1 else 1
-    )
-    blocks_local = min(blocks_local, dims.layers)
     block_bytes = dims.block_params * s / tp
     other_bytes = dims.other_params * s  # embeddings/head: replicated over tp; one stage each
     if dims.layers:
@@ -215,34 +242,40 @@ def estimate_memory(
     buffers = 0.0
     if zero is ZeroStage.GRADIENTS:
         buffers += local  # unsharded parameters live from forward to the end of backward
-        buffers += 2 * block_bytes  # unsharded gradients of the block being reduced
+        if pp > 1 and grads_with_activations(plan):
+            # a pipeline reduce-scatters once, after its last micro-batch: the gradients
+            # accumulate unsharded from the first backward on, beside later activations
+            buffers += local
     elif zero is ZeroStage.PARAMETERS:
         # current and prefetched block (all-gather input and output), the root's own
         # parameters, and the unsharded gradients of the block being reduced
         buffers += 4 * block_bytes + other_bytes + 2 * block_bytes
-    elif dp > 1 and tp == 1 and pp == 1:
-        buffers += local  # DDP's gradient buckets
-    # plait's gradient averaging (tensor/pipeline parallel) fuses after backward, when the
-    # activations are gone: its bucket never coexists with them
-    transient = min(local, 25 * 2**20) if dp > 1 and zero <= ZeroStage.OPTIMIZER else 0.0
+    # DDP's gradients are views of its buckets (plait.data_parallel's default): no second
+    # copy. plait's gradient averaging (tensor/pipeline parallel) fuses after backward,
+    # when the activations are gone: its bucket never coexists with them.
+    synced = dp > 1 and zero <= ZeroStage.OPTIMIZER and (tp > 1 or pp > 1)
+    after = min(local, 25 * 2**20) if synced else 0.0
     # activations
     local_samples = global_batch / dp
     mb = local_samples / plan.n_microbatches()
     split = 1 / tp if plan.sp else (TP_SPLIT_SHARE / tp + 1 - TP_SPLIT_SHARE)
     per_block = acts.block * split * mb
     stage_blocks = math.ceil(dims.layers / stages)
-    # checkpointing keeps block inputs, and one block's activations while recomputing it
-    # (and its gradients: two blocks' worth)
-    kept = (
-        stage_blocks * acts.block_input * mb + 2 * per_block
-        if plan.ac
-        else stage_blocks * per_block
-    )
+    # checkpointing keeps each micro-batch's block inputs, and while a block is recomputed
+    # and differentiated its activations and temporaries: three blocks' worth on the GPT
+    # (`dp=4,zero=3,ac=true` measured 61.8 MiB above its model state, 2 blocks would say
+    # 49.5); without it, a block's backward temporaries ride on everything saved
+    kept = stage_blocks * (acts.block_input * mb if plan.ac else per_block)
     # a first stage keeps the embeddings' activations of every micro-batch in flight
-    activations = in_flight(plan) * (kept + acts.other * mb) + per_block  # + a block's grads
-    activations = max(activations * (1 + ACTIVATION_MARGIN), transient)
+    activations = in_flight(plan) * (kept + acts.other * mb) + (3 if plan.ac else 1) * per_block
     return MemoryEstimate(
-        params=params, grads=grads, optimizer=opt, buffers=buffers, activations=activations
+        params=params,
+        grads=grads,
+        optimizer=opt,
+        buffers=buffers,
+        activations=activations * (1 + ACTIVATION_MARGIN),
+        after_backward=after,
+        grads_with_activations=grads_with_activations(plan),
     )
 
 
