@@ -124,11 +124,17 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _version_text() -> str:
-    import torch
+    """plait's and torch's versions, from their installed metadata: every parse builds
+    this text, and importing torch for it would cost ``plait --help`` 1.3 s."""
+    from importlib import metadata
 
     from plait import __version__
 
-    return f"plait {__version__} (torch {torch.__version__})"
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"plait {__version__} (torch {torch_version})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,8 +359,8 @@ def _bytes(text: str) -> int:
 
 
 def _add_race_parser(sub: Any) -> None:
-    from plait.bench.race import DEFAULT_SEEDS, METRICS
-    from plait.train.loop import OPTIMIZERS
+    from plait.bench.protocol import DEFAULT_SEEDS, METRICS
+    from plait.train.config import OPTIMIZERS
 
     ra = sub.add_parser(
         "race",
@@ -1609,7 +1615,7 @@ def _validate_race(args: argparse.Namespace) -> None:
 
 def _validate_crossover(args: argparse.Namespace) -> None:
     from plait.bench.colocate import Job
-    from plait.train.loop import TrainConfig
+    from plait.train.config import TrainConfig
 
     _check_cluster_args(args, multi_bandwidth=True)
     _int_at_least("--steps", args.steps, 1)

@@ -8,7 +8,8 @@ import torch
 
 from plait.specs import OptionValue
 from plait.testing import run_distributed
-from plait.train.loop import StrategyChoice, TrainConfig, Trainer
+from plait.train.config import StrategyChoice
+from plait.train.loop import TrainConfig, Trainer
 
 
 def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, object]:

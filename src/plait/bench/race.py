@@ -56,6 +56,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
 from plait import distributed as pdist
+from plait.bench.protocol import (
+    BOOTSTRAP_RESAMPLES,
+    CONFIDENCE,
+    DEFAULT_SEEDS,
+    METRICS,
+    MIN_VERDICT_SEEDS,
+)
 from plait.comm import stats as comm_stats
 from plait.cpu import float_pins
 from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
@@ -64,23 +71,6 @@ from plait.train.loop import OPTIMIZERS, TrainConfig, Trainer
 from plait.train.strategies.kfac import KFACStrategy
 
 logger = logging.getLogger(__name__)
-
-#: Seeds of a race by default: five, the fewest that give a bootstrap interval over seeds
-#: some meaning (with three, a single seed decides a median).
-DEFAULT_SEEDS = (0, 1, 2, 3, 4)
-#: The fewest seeds whose interval may make a verdict: with fewer, a bootstrap over seeds
-#: has too few distinct resamples to mean anything (one seed gives a zero-width interval).
-MIN_VERDICT_SEEDS = 5
-#: Bootstrap resamples behind every interval, and the interval's coverage. The resampling
-#: generator is seeded, so the same results always give the same interval.
-BOOTSTRAP_RESAMPLES = 10_000
-CONFIDENCE = 0.95
-
-#: Held-out metrics a race can target: the evaluation key and whether higher is better.
-METRICS: dict[str, tuple[str, bool]] = {
-    "accuracy": ("test_accuracy", True),
-    "loss": ("test_loss", False),
-}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from plait.train.loop import OPTIMIZERS, TrainConfig
+from plait.train.config import OPTIMIZERS, TrainConfig
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

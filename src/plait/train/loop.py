@@ -20,7 +20,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,179 +35,14 @@ from plait.comm import stats as comm_stats
 from plait.comm.ops import collective_errors
 from plait.crossover.scheduler import Crossover, attach
 from plait.log import summary_writer
-from plait.specs import OptionValue, parse_spec
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.checkpoint import Checkpointer, has_sharded, load_sharded
+from plait.train.config import OPTIMIZERS, TrainConfig
 from plait.train.optim import MuonAdamW, heavyball_soap
-from plait.train.strategy import Strategy, make_strategy
+from plait.train.strategy import Strategy
 from plait.workloads import DataSplit, Workload, get_workload
 
-#: Optimizer names: ``sgd`` (with `TrainConfig.momentum`), ``sgd-plain`` (no momentum: the
-#: optimizer for K-FAC's eigenbasis-Adam mode, whose moments are its own), ``adam``,
-#: ``adamw``, ``muon`` (`plait.train.optim.MuonAdamW`) and ``heavyball-soap`` (heavyball's
-#: SOAP, the `bench` extra; `plait.train.optim.heavyball_soap`).
-OPTIMIZERS = ("sgd", "sgd-plain", "adam", "adamw", "muon", "heavyball-soap")
-
 logger = logging.getLogger(__name__)
-
-
-def _option_text(value: OptionValue) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-@dataclass(frozen=True)
-class StrategyChoice:
-    """A strategy by registered name with typed options: what a spec string describes.
-
-    `TrainConfig` resolves its flags into one of these once, validated, and the trainer
-    builds the strategy from it; the spec text is only its rendering (`spec`).
-
-    Attributes:
-        name: a registered strategy (``ssgd``, ``acpsgd``, ``spd-kfac``, ``plan``, ...).
-        options: the strategy's keyword options (``{"rank": 4}``).
-    """
-
-    name: str
-    options: Mapping[str, OptionValue] = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, spec: str) -> StrategyChoice:
-        """The choice a spec string names (``acpsgd:rank=4``), options typed."""
-        name, options = parse_spec(spec)
-        return cls(name, options)
-
-    def spec(self) -> str:
-        """The spec string of this choice (``acpsgd:rank=4``), as the command line takes."""
-        if not self.options:
-            return self.name
-        opts = ",".join(f"{k}={_option_text(v)}" for k, v in self.options.items())
-        return f"{self.name}:{opts}"
-
-    def build(self) -> Strategy:
-        """The strategy, built (which checks the name and every option, and starts nothing).
-
-        Raises:
-            ValueError: an unknown name or option, or a bad option value.
-        """
-        return make_strategy(self.name, **dict(self.options))
-
-    def validate(self) -> None:
-        """Check the name and every option without keeping the strategy."""
-        self.build().close()
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Everything a training run needs; the CLI flags map one to one.
-
-    Attributes:
-        workload: a name from `plait.workloads.WORKLOADS`.
-        strategy: strategy spec, ``name[:k=v,...]``, or a `StrategyChoice` (stored as its
-            spec, so the config stays plain data for JSON and checkpoints).
-        data: ``real`` (bundled data set with a test split) or ``synthetic``.
-        epochs: passes over the training data (default: the workload's).
-        steps: optimizer steps to run; overrides `epochs` when given.
-        batch_size: per-worker batch size (default: the workload's).
-        accumulate: micro-batches per optimizer step (gradient accumulation).
-        lr, optimizer, momentum, weight_decay: the optimizer.
-        seed: model initialisation, data order and dropout.
-        checkpoint: directory for checkpoints (None: no checkpoints).
-        checkpoint_every: steps between checkpoints (0: only at epoch ends).
-        trace: write a merged Chrome trace of all ranks here.
-        out: write the run's metrics (JSON) here.
-        progress: draw a progress bar on rank 0.
-        synthetic_samples: size of the synthetic data set.
-        crossover: share the device's compute token with co-located jobs of this group
-            (`plait.crossover`); None runs alone.
-        eval_every: also evaluate every this many steps (0: at epoch ends only); the
-            results form the run's learning curve (``curve`` in the summary).
-        plan: an n-D parallel plan (``dp=2,tp=2,zero=3``, see `plait.parallel.Plan`) or
-            ``auto``; `strategy` then names the data axis's compressor.
-        memory: memory per device the automatic planner must fit in (``2GiB``).
-        tensorboard: write rank 0's scalars (loss, held-out metrics, throughput, bytes
-            per step) as TensorBoard events into this directory.
-
-    The strategy the run trains with, `plan` and `memory` included, is resolved and
-    validated once, at construction, into `strategy_choice`.
-    """
-
-    workload: str = "mlp"
-    strategy: str | StrategyChoice = "ssgd"
-    data: str = "real"
-    epochs: int | None = None
-    steps: int | None = None
-    batch_size: int | None = None
-    accumulate: int = 1
-    lr: float | None = None
-    optimizer: str | None = None
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0
-    checkpoint: str | None = None
-    checkpoint_every: int = 0
-    trace: str | None = None
-    out: str | None = None
-    progress: bool = True
-    synthetic_samples: int = 1024
-    crossover: str | None = None
-    eval_every: int = 0
-    plan: str | None = None
-    memory: str | None = None
-    tensorboard: str | None = None
-
-    def __post_init__(self) -> None:
-        get_workload(self.workload)
-        if isinstance(self.strategy, StrategyChoice):
-            self.strategy = self.strategy.spec()
-        #: the strategy to train with, typed; unknown names and bad options fail here
-        self.strategy_choice = self._resolve_strategy()
-        self.strategy_choice.validate()
-        if self.data not in ("real", "synthetic"):
-            raise ValueError(f"data must be 'real' or 'synthetic', got {self.data!r}")
-        for key in ("epochs", "steps", "batch_size"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"{key} must be >= 1, got {value}")
-        if self.accumulate < 1:
-            raise ValueError(f"accumulate must be >= 1, got {self.accumulate}")
-        if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {OPTIMIZERS}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
-
-    def _resolve_strategy(self) -> StrategyChoice:
-        """`strategy` alone, or the plan strategy with `strategy` as its data-axis compressor."""
-        assert isinstance(self.strategy, str)  # __post_init__ stores a choice as its spec
-        compressor = StrategyChoice.parse(self.strategy)
-        if self.plan is None:
-            if self.memory is not None:
-                raise ValueError("memory applies to the automatic planner (--plan auto)")
-            return compressor
-        if compressor.options:
-            raise ValueError(
-                f"with --plan, --strategy names a compressor only, got {self.strategy!r}"
-            )
-        if self.plan.strip() == "auto":
-            if compressor.name != "ssgd":
-                raise ValueError("--plan auto chooses the data axis itself; drop --strategy")
-            options: dict[str, OptionValue] = {"auto": True}
-            if self.memory:
-                options["memory"] = self.memory
-            return StrategyChoice("plan", options)
-        if self.memory is not None:
-            raise ValueError("memory applies to the automatic planner (--plan auto)")
-        _, degrees = parse_spec(f"plan:{self.plan}")
-        if compressor.name != "ssgd":
-            degrees["compression"] = compressor.name
-        return StrategyChoice("plan", degrees)
-
-    def strategy_spec(self) -> str:
-        """The spec text of `strategy_choice` (for messages and records)."""
-        return self.strategy_choice.spec()
 
 
 @dataclass
