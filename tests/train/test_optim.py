@@ -106,7 +106,7 @@ def test_heavyball_soap_runs_eagerly_and_trains() -> None:
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
 
 

@@ -185,15 +185,22 @@ def in_flight(plan: Plan) -> int:
         return m
     if plan.schedule is Schedule.ONE_F_ONE_B:
         return min(m, plan.pp)
-    # two stages per rank: warm-up fills both
-    return min(2 * m, 3 * plan.pp)
+    # two stages per rank: warm-up fills both; in the V of zero-bubble a micro-batch's
+    # last stage runs its backward straight after its forward, one pair fewer
+    pairs = min(2 * m, 3 * plan.pp)
+    return pairs - 1 if plan.schedule is Schedule.ZERO_BUBBLE else pairs
 
 
 def grads_with_activations(plan: Plan) -> bool:
     """Whether a rank's gradients all exist while its activations peak (`MemoryEstimate`)."""
-    if plan.pp == 1:  # DDP (data parallel alone, ZeRO 0-1) keeps its gradients as buckets
-        return (plan.dp or 1) > 1 and plan.tp == 1 and plan.zero <= ZeroStage.OPTIMIZER
-    return plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
+    if plan.pp > 1:  # 1F1B's first backward runs while later micro-batches are held
+        return plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
+    if plan.zero >= ZeroStage.GRADIENTS:
+        # FSDP's gradient shards appear as backward reduce-scatters its first blocks,
+        # while the others' activations are held: counted, at 1/dp of the gradients
+        return True
+    # DDP (data parallel alone, ZeRO 0-1) keeps its gradients as its buckets
+    return (plan.dp or 1) > 1 and plan.tp == 1
 
 
 def estimate_memory(
@@ -242,7 +249,7 @@ def estimate_memory(
     buffers = 0.0
     if zero is ZeroStage.GRADIENTS:
         buffers += local  # unsharded parameters live from forward to the end of backward
-        if pp > 1 and grads_with_activations(plan):
+        if pp > 1 and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED):
             # a pipeline reduce-scatters once, after its last micro-batch: the gradients
             # accumulate unsharded from the first backward on, beside later activations
             buffers += local
