@@ -71,7 +71,7 @@ bench-fused: install
 HF := examples/transformers_workloads.py
 HF_MODELS := $(HF):gpt2,$(HF):bert,$(HF):llama,$(HF):resnet18
 bench-fused-hf: install
-	for i in 1 2 3; do $(BIN)/plait bench-fused --workload $(HF_MODELS) --n 4,16,32 \
+	for i in 1 2 3; do $(BIN)/plait bench-fused --workload $(HF_MODELS) --n 4,16,32 --rounds 5 \
 		--strategies fused,fallback,serial,vmap --out benchmarks/hfta/hf-models-$$i; done
 	$(BIN)/plait bench-fused --fidelity 10 --workload $(HF_MODELS) --n 16 \
 		--out benchmarks/hfta/hf-fidelity

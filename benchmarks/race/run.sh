@@ -107,15 +107,16 @@ compressors-gpt-5seeds() {  # BANDWIDTH
 # K-FAC's eigenbasis modes (EKFAC; SOAP: Adam in the factors' eigenbasis, its moments its
 # own, so plain SGD applies its step) against AdamW, torch's Muon and heavyball's SOAP
 # (`pip install '.[bench]'`, its step uncompiled), on the GPT. The new entries' rates are
-# tuned first on seed 10 (not a race seed), two rates each with the same step budget;
-# AdamW, Muon and K-FAC keep the rates tune-gpt-* chose.
+# tuned first on seed 10 (not a race seed), two rates each with the same step budget,
+# beside Muon at its rate for reference; AdamW, Muon and K-FAC keep the rates tune-gpt-*
+# chose.
 EKFAC="spd-kfac:mode=ekfac,approximation=reduce,kl_clip=0.01,damping=0.01"
 SOAP="spd-kfac:mode=soap,approximation=reduce"
 
 tune-second-order-gpt() {
     race tune-second-order-gpt --workload gpt --metric loss --target 2.6 --nodes 4 \
         --bandwidth fast --seeds 10 --max-steps 100 --eval-every 10 \
-        --strategies "ssgd+heavyball-soap@0.001;ssgd+heavyball-soap@0.003;$EKFAC+sgd@0.03;$EKFAC+sgd@0.1;$SOAP+sgd-plain@0.001;$SOAP+sgd-plain@0.003"
+        --strategies "ssgd+muon@0.01;ssgd+heavyball-soap@0.001;ssgd+heavyball-soap@0.003;$EKFAC+sgd@0.03;$EKFAC+sgd@0.1;$SOAP+sgd-plain@0.001;$SOAP+sgd-plain@0.003"
 }
 
 second-order-gpt() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR [SEEDS]: rates from tune-second-order-gpt
