@@ -37,7 +37,8 @@ from plait.bench.records import (
     RunMeta,
 )
 from plait.records import pyplot, save_figure, write_report
-from plait.train.loop import TrainConfig, Trainer
+from plait.train.config import TrainConfig
+from plait.train.loop import Trainer
 from plait.workloads import get_workload
 
 

@@ -67,7 +67,8 @@ from plait.comm import stats as comm_stats
 from plait.cpu import float_pins
 from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
 from plait.specs import split_specs
-from plait.train.loop import OPTIMIZERS, TrainConfig, Trainer
+from plait.train.config import OPTIMIZERS, TrainConfig
+from plait.train.loop import Trainer
 from plait.train.strategies.kfac import KFACStrategy
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from plait import distributed as pdist
 from plait.cluster.agent import report_fatal
 from plait.log import configure
 from plait.persist import CheckpointError
-from plait.train.loop import TrainConfig, train
+from plait.train.config import TrainConfig
+from plait.train.loop import train
 
 
 def main(argv: list[str] | None = None) -> int:
