@@ -18,6 +18,8 @@ import importlib.util
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
+from plait._lazy import lazy_getattr
+
 if TYPE_CHECKING:
     from plait.dp import data_parallel
     from plait.fused import fuse
@@ -41,9 +43,12 @@ _LAZY = {
 }
 
 
+_entry_point = lazy_getattr(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return _entry_point(name)
     if not name.startswith("_") and importlib.util.find_spec(f"plait.{name}") is not None:
         # every module is an attribute (``plait.crossover.attach`` after ``import plait``)
         return importlib.import_module(f"plait.{name}")

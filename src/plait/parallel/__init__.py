@@ -8,8 +8,9 @@ FSDP2, pipelining) load on first use of those, so importing the plan types stays
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from plait._lazy import lazy_getattr
 from plait.parallel.plan import Plan, Schedule, ZeroStage
 
 if TYPE_CHECKING:
@@ -39,10 +40,4 @@ _LAZY = {
     "parallelize": "plait.parallel.api",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'plait.parallel' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -249,7 +249,7 @@ def estimate_memory(
     buffers = 0.0
     if zero is ZeroStage.GRADIENTS:
         buffers += local  # unsharded parameters live from forward to the end of backward
-        if pp > 1 and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED):
+        if pp > 1 and grads_with_activations(plan):
             # a pipeline reduce-scatters once, after its last micro-batch: the gradients
             # accumulate unsharded from the first backward on, beside later activations
             buffers += local

@@ -10,9 +10,9 @@ and `plait.train.args` to build its flags, and importing them must not import to
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from plait._lazy import lazy_getattr
 from plait.specs import parse_spec
 from plait.train.config import StrategyChoice, TrainConfig
 
@@ -49,8 +49,4 @@ _LAZY = {
     "register_strategy": "plait.train.strategy",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'plait.train' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
