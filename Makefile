@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.plait-installed
 DOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
-.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused bench-fused-hf race gpu-suite docs clean
+.PHONY: install demo test test-all test-torch lint typecheck check bench bench-fused bench-fused-hf bench-memory race gpu-suite docs clean
 
 install: $(STAMP)
 
@@ -75,6 +75,11 @@ bench-fused-hf: install
 		--strategies fused,fallback,serial,vmap --out benchmarks/hfta/hf-models-$$i; done
 	$(BIN)/plait bench-fused --fidelity 10 --workload $(HF_MODELS) --n 16 \
 		--out benchmarks/hfta/hf-fidelity
+
+# The memory model against the meter on every plan shape the planner can choose
+# (benchmarks/parallel/memory.sh: bundled and Hugging Face workloads, 4 ranks).
+bench-memory: install
+	PLAIT=$(BIN)/plait benchmarks/parallel/memory.sh
 
 # Time to accuracy: the races of benchmarks/RESULTS.md (benchmarks/race/run.sh: the learning
 # rates' tuning race, optimizers, compressors), then the 32-trial sweep fused vs trials one

@@ -127,6 +127,22 @@ second-order-gpt() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR [SEEDS]: rates from tun
         --compare "$e/ssgd+muon;$s/ssgd+muon;$e/ssgd+heavyball-soap;$s/ssgd+heavyball-soap;$k/ssgd+muon"
 }
 
+# The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
+# tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
+tune-second-order-digits-cnn() {
+    race tune-second-order-digits-cnn --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth fast --seeds 10,11,12 --max-steps 400 --eval-every 5 \
+        --strategies "ssgd+adamw@0.01;ssgd+heavyball-soap@0.001;ssgd+heavyball-soap@0.003;ssgd+heavyball-soap@0.01;$EKFAC+sgd@0.01;$EKFAC+sgd@0.02;$EKFAC+sgd@0.05;$SOAP+sgd-plain@0.001;$SOAP+sgd-plain@0.003;$SOAP+sgd-plain@0.01"
+}
+
+second-order-digits-cnn() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR: rates from the tuning race
+    local k="$KFAC,$TUNED+sgd" e="$EKFAC+sgd" s="$SOAP+sgd-plain"
+    race "second-order-digits-cnn-$1" --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth "$1" --max-steps 600 --eval-every 5 \
+        --strategies "ssgd+sgd@0.1;ssgd+adamw@0.01;ssgd+muon@0.01;ssgd+heavyball-soap@$2;$k@0.02;$e@$3;$s@$4" \
+        --compare "$k/ssgd+adamw;$e/ssgd+adamw;$s/ssgd+adamw;$s/ssgd+heavyball-soap;$e/ssgd+muon"
+}
+
 # ------------------------------------------------------------------ slow links
 # The communication-bound race: the GPT at 2 sequences per worker (benchmarks/race/
 # workloads.py:gpt_link), 87% of S-SGD's step on the wire at `slow`. Every entry trains

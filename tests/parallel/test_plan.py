@@ -30,6 +30,7 @@ def test_text_round_trip_and_defaults() -> None:
         ("tp=0", "must be >= 1"),
         ("tp=2,compression=powersgd", "DDP comm hook"),
         ("pp=2,schedule=zero-bubble,zero=3", "does not compose"),
+        ("pp=2,schedule=zero-bubble,ac=true", "holds more memory than without it"),
         ("microbatches=4", "applies to pipelines"),
         ("tp=two", "must be an integer"),
     ],

@@ -63,6 +63,26 @@ def measure_plan(workload: str, plan: Plan, *, batch: int, steps: int = 2) -> di
     return {"model_state_bytes": state, "peak_bytes": peak, "resolved": model.plan.describe()}
 
 
+def candidate_shapes(workload: str, world: int, *, batch: int | None = None) -> list[str]:
+    """Every plan shape the planner can choose for `workload` on `world` ranks: its
+    candidates (`plait.parallel.planner.enumerate.candidate_plans`), one per combination of
+    axes, ZeRO stage, sequence parallelism, schedule and checkpointing (the fewest
+    micro-batches: more only shrink the activations in flight)."""
+    from plait.parallel.planner.enumerate import candidate_plans
+    from plait.workloads import get_workload
+
+    wl = get_workload(workload)
+    b = batch or wl.bench_batch
+    data = wl.bench_data(b)
+    model = wl.model(data.info, bench=True)
+    dims = adapter_for(model).dims(model)
+    seen: dict[tuple[Any, ...], str] = {}
+    for plan in candidate_plans(world, dims, global_batch=b * world):
+        key = (plan.dp, plan.tp, plan.pp, plan.zero, plan.sp, plan.schedule, plan.ac)
+        seen.setdefault(key, plan.describe())
+    return list(seen.values())
+
+
 def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[MemoryRecord]:
     """Measure every plan on the current process group; every rank returns the records."""
     from plait.workloads import get_workload
@@ -145,14 +165,21 @@ def write(records: list[MemoryRecord], out: Path, *, command: str) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m plait.bench.membench")
     parser.add_argument("--workload", default="gpt")
-    parser.add_argument("--plans", required=True, help="plans separated by ';'")
+    parser.add_argument(
+        "--plans",
+        required=True,
+        help="plans separated by ';', or 'candidates': every shape the planner can choose",
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="per-worker batch")
     parser.add_argument("--out", required=True, help="output directory")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     pdist.init_distributed()
     try:
         torch.set_num_threads(1)
-        plans = [p.strip() for p in args.plans.split(";") if p.strip()]
+        if args.plans == "candidates":
+            plans = candidate_shapes(args.workload, pdist.world_size(), batch=args.batch_size)
+        else:
+            plans = [p.strip() for p in args.plans.split(";") if p.strip()]
         records = run(args.workload, plans, batch=args.batch_size)
         if pdist.is_main():
             launch = f"plait run --nodes {pdist.world_size()} -m -- plait.bench.membench"

@@ -71,6 +71,13 @@ class ModelDims:
         block_sizes: parameters of each block when they differ (a stack of layers of
             several widths); empty when every block has `block_params`.
         model: the model's class name, named in errors.
+        largest_param: elements of the largest parameter tensor. The optimizer's update of
+            one tensor and a gradient before it is accumulated are transients of this size,
+            and on models of few large tensors (the MLP's 4 M-element layer) they set the
+            peak (`plait.parallel.memory`).
+        no_pipeline: why a pipeline cannot split the model ("" if it can): no split of
+            its modules into stages, or a parameter registered under two names, which
+            stages cannot share. The planner proposes no pipeline for such a model.
     """
 
     layers: int
@@ -86,6 +93,8 @@ class ModelDims:
     no_sequence: str = ""
     block_sizes: tuple[int, ...] = ()
     model: str = ""
+    largest_param: int = 0
+    no_pipeline: str = ""
 
     @property
     def other_params(self) -> int:
@@ -140,10 +149,11 @@ class ModelAdapter:
         """In-place conversions every plan applies first (so all plans share state keys)."""
 
     def dims(self, model: nn.Module) -> ModelDims:
-        n = _count(model)
+        n = count_params(model)
         return ModelDims(
             layers=0, hidden=0, heads=0, ffn=0, params=n, block_params=0,
-            model=type(model).__name__,
+            model=type(model).__name__, largest_param=largest_param(model),
+            no_pipeline=pipeline_obstacle(self, model),
         )  # fmt: skip
 
     def blocks(self, model: nn.Module) -> list[str]:
@@ -231,8 +241,29 @@ class BoundUnit(nn.Module):
         return self.fn(x)
 
 
-def _count(module: nn.Module) -> int:
+def count_params(module: nn.Module) -> int:
+    """Elements of every parameter of `module`."""
     return sum(p.numel() for p in module.parameters())
+
+
+def largest_param(module: nn.Module) -> int:
+    """Elements of `module`'s largest parameter tensor (`ModelDims.largest_param`)."""
+    return max((p.numel() for p in module.parameters()), default=0)
+
+
+def pipeline_obstacle(adapter: ModelAdapter, model: nn.Module) -> str:
+    """Why a pipeline cannot split `model` ("" if it can): tied parameters (the first
+    parameter registered under two names) or no split into stages."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            return f"{first[id(p)]} is tied to {name}"
+        first[id(p)] = name
+    try:
+        adapter.pipeline_units(model)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def _megatron_mlp_attention(
@@ -277,11 +308,13 @@ class GPTAdapter(ModelAdapter):
             hidden=cfg.n_embd,
             heads=cfg.n_head,
             ffn=4 * cfg.n_embd,  # the GPT's MLP width
-            params=_count(model),
-            block_params=_count(model.blocks[0]),
+            params=count_params(model),
+            block_params=count_params(model.blocks[0]),
             seq_len=cfg.block_size,
             vocab=cfg.vocab_size,
             where="blocks.0 (Block)",
+            largest_param=largest_param(model),
+            no_pipeline=pipeline_obstacle(self, model),
         )
 
     def blocks(self, model: nn.Module) -> list[str]:
@@ -451,10 +484,12 @@ class SequentialAdapter(ModelAdapter):
                 hidden=0,
                 heads=0,
                 ffn=0,
-                params=_count(model),
-                block_params=max((_count(b) for b in blocks), default=0),
-                block_sizes=tuple(_count(b) for b in blocks),
+                params=count_params(model),
+                block_params=max((count_params(b) for b in blocks), default=0),
+                block_sizes=tuple(count_params(b) for b in blocks),
                 model=type(model).__name__,
+                largest_param=largest_param(model),
+                no_pipeline=pipeline_obstacle(self, model),
             )
         first = layers[0][1]
         return ModelDims(
@@ -462,15 +497,17 @@ class SequentialAdapter(ModelAdapter):
             hidden=first.linear1.in_features,
             heads=first.self_attn.num_heads,
             ffn=first.linear1.out_features,
-            params=_count(model),
-            block_params=_count(first),
+            params=count_params(model),
+            block_params=count_params(first),
+            largest_param=largest_param(model),
+            no_pipeline=pipeline_obstacle(self, model),
         )
 
     def blocks(self, model: nn.Module) -> list[str]:
         layers = self._layers(model)
         if layers:
             return [name for name, _ in layers]
-        return [name for name, m in self.pipeline_units(model) if _count(m)]
+        return [name for name, m in self.pipeline_units(model) if count_params(m)]
 
     def sequence_dim(self, model: nn.Module) -> int:
         layers = self._layers(model)

@@ -41,7 +41,15 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from plait.parallel.adapters import BoundUnit, ModelAdapter, ModelDims, Unit
+from plait.parallel.adapters import (
+    BoundUnit,
+    ModelAdapter,
+    ModelDims,
+    Unit,
+    count_params,
+    largest_param,
+    pipeline_obstacle,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +96,6 @@ def _is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 # --------------------------------------------------------------------- block stack
 def find_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the model's block stack (see the module docstring); [] if none."""
@@ -109,7 +113,7 @@ def find_blocks(model: nn.Module) -> list[str]:
         for run in runs:
             if len(run) < 2 or not any(_linear_like(m) for _, m in run[0][1].named_modules()):
                 continue
-            params = sum(_count(m) for _, m in run)
+            params = sum(count_params(m) for _, m in run)
             if params > best_params:
                 prefix = f"{name}." if name else ""
                 best, best_params = [f"{prefix}{c}" for c, _ in run], params
@@ -466,12 +470,14 @@ class DerivedAdapter(ModelAdapter):
             heads=heads,
             kv_heads=kv if kv != heads else 0,
             ffn=ffn,
-            params=_count(model),
-            block_params=_count(block),
+            params=count_params(model),
+            block_params=count_params(block),
             seq_len=0,
             vocab=cfg_int("vocab_size"),
             where=f"{self._blocks[0]} ({type(block).__name__})",
             no_sequence=sequence_obstacle(block),
+            largest_param=largest_param(model),
+            no_pipeline=pipeline_obstacle(self, model),
         )
 
     def block_plan(self, block: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:

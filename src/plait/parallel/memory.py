@@ -2,18 +2,22 @@
 
 The model (`estimate_memory`) counts, per rank, the model state (parameters, gradients and
 optimizer states, each divided by the axes that shard it), the buffers the engines add
-(FSDP's unsharded blocks) and the activations kept for backward (per block and
-micro-batch, times the micro-batches a schedule keeps in flight; one block input per
-block under activation checkpointing). The peak is the larger of two moments: the
-activations' peak, with the gradients only where they already exist then (DDP's buckets,
-a 1F1B pipeline), and the end of backward, with every gradient. Activation sizes are
-measured on the model itself (`measure_activations`), not assumed; the model is checked
-against the meter below on every plan shape (benchmarks/parallel/memory.md).
+(FSDP's unsharded blocks and their gradients), the activations kept for backward (per
+block and micro-batch, times the micro-batches a schedule keeps in flight; one block input
+per block under activation checkpointing) and the transients of single tensors (a fresh
+gradient before it joins its bucket, the optimizer's temporaries). The peak is the largest
+of three moments: the activations' peak, with the gradients only where they already exist
+then (DDP's buckets, a 1F1B pipeline); the end of backward, with every gradient; and the
+optimizer's update. Activation sizes are measured on the model itself
+(`measure_activations`, whose count of saved tensors already runs a few percent above the
+meter, so no headroom is added), not assumed; the model is checked against the meter on
+every plan shape the planner can choose, on the bundled and Hugging Face workloads
+(benchmarks/parallel/memory-candidates).
 
 `PeakMemory` measures what a step really holds: a dispatch mode that sees every tensor
-storage an operator creates (unwrapping DTensors to their local shards) and follows it
-until it is freed. It works on any device, CPU included, where allocator statistics do not
-exist.
+storage an operator creates (unwrapping DTensors to their local shards) and follows its
+size (FSDP resizes storages in place) until it is freed. It works on any device, CPU
+included, where allocator statistics do not exist.
 """
 
 from __future__ import annotations
@@ -65,11 +69,16 @@ class ActivationProfile:
         block: saved by one block per sample.
         other: saved outside the blocks per sample (embeddings, head, loss).
         block_input: one block's input per sample (what checkpointing keeps).
+        largest: the largest tensor a block saves, per sample. A block's backward holds
+            gradients of its activations a few at a time, about two of the largest (the
+            GPT's MLP hidden), not a whole block's worth: counting a block over-estimated
+            the tiny Hugging Face GPT-2's peak by 30%.
     """
 
     block: float
     other: float
     block_input: float
+    largest: float = 0.0
 
 
 def measure_activations(
@@ -85,11 +94,16 @@ def measure_activations(
     seen: set[int] = set()
     inputs: list[int] = []
 
+    largest = [0]
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
         if key not in seen and not isinstance(t, nn.Parameter):
             seen.add(key)
-            per_block[current[0]] = per_block.get(current[0], 0) + t.untyped_storage().nbytes()
+            size = t.untyped_storage().nbytes()
+            per_block[current[0]] = per_block.get(current[0], 0) + size
+            if current[0] >= 0:
+                largest[0] = max(largest[0], size)
         return t
 
     handles = []
@@ -120,6 +134,7 @@ def measure_activations(
         block=block_total / n_blocks / n,
         other=per_block.get(-1, 0) / n,
         block_input=(inputs[0] if inputs else 0) / n,
+        largest=largest[0] / n,
     )
 
 
@@ -130,10 +145,14 @@ class MemoryEstimate:
 
     Attributes:
         params, grads, optimizer: the model state (this rank's shards).
-        buffers: what the engines hold through the step (FSDP's unsharded parameters).
+        buffers: what the engines hold through forward and backward (FSDP's unsharded
+            parameters, and the unsharded gradients of the block being reduced).
         activations: saved for backward at their peak, with a block's backward temporaries.
+        grad_transient: a fresh gradient before it is copied into its bucket or added to
+            the one already accumulated (DDP, pipelines), beside the activations.
         after_backward: what the step holds beside the gradients once the activations are
             gone (gradient averaging's fused bucket).
+        step_transient: the optimizer's temporaries while it updates (Adam's denominator).
         grads_with_activations: whether every gradient exists while the activations peak
             (DDP's gradients are its buckets, allocated once; a 1F1B pipeline's first
             backward creates its stage's gradients while later micro-batches' activations
@@ -146,7 +165,9 @@ class MemoryEstimate:
     optimizer: float
     buffers: float
     activations: float
+    grad_transient: float = 0.0
     after_backward: float = 0.0
+    step_transient: float = 0.0
     grads_with_activations: bool = True
 
     @property
@@ -155,11 +176,18 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        """The peak: the model state and buffers, and the larger of the activations'
-        peak and the end of backward."""
-        during = self.activations + (self.grads if self.grads_with_activations else 0.0)
+        """The peak: the model state, and the largest of three moments beside it: the
+        activations' peak (with the engines' buffers), the end of backward and the
+        optimizer's update."""
+        during = (
+            self.buffers
+            + self.activations
+            + self.grad_transient
+            + (self.grads if self.grads_with_activations else 0.0)
+        )
         after = self.grads + self.after_backward
-        return self.params + self.optimizer + self.buffers + max(during, after)
+        update = self.grads + self.step_transient
+        return self.params + self.optimizer + max(during, after, update)
 
 
 #: Share of a block's saved activations that tensor parallelism splits (projections, MLP
@@ -167,13 +195,6 @@ class MemoryEstimate:
 #: Measured on the GPT (benchmarks/parallel/memory.md): `dp=2,tp=2` peaks with 0.55 of a
 #: block's activations per rank at this share, within 2% of the meter.
 TP_SPLIT_SHARE = 0.9
-
-
-#: Headroom on activations for what the count of saved tensors misses (allocator
-#: rounding, the loss's temporaries): the planner must not under-estimate. A plain
-#: backward of the GPT (benchmarks/parallel/memory.md, `dp=1`) peaks 3% above the saved
-#: tensors plus one block's backward temporaries; 10% covers it with room.
-ACTIVATION_MARGIN = 0.1
 
 
 def in_flight(plan: Plan) -> int:
@@ -191,16 +212,81 @@ def in_flight(plan: Plan) -> int:
     return pairs - 1 if plan.schedule is Schedule.ZERO_BUBBLE else pairs
 
 
+def backward_beside_forward(plan: Plan) -> bool:
+    """Whether a pipeline's first backward runs while later micro-batches' activations are
+    held, so its gradients exist beside them: 1F1B and interleaved with more micro-batches
+    than stages. With as many as stages, the first rank runs every forward before its
+    first backward, as GPipe does (the GPT's dp=2,pp=2 with 2 micro-batches: 105.3 MiB
+    under 1F1B, 105.7 under GPipe)."""
+    return (
+        plan.pp > 1
+        and plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
+        and plan.n_microbatches() > plan.pp
+    )
+
+
 def grads_with_activations(plan: Plan) -> bool:
     """Whether a rank's gradients all exist while its activations peak (`MemoryEstimate`)."""
-    if plan.pp > 1:  # 1F1B's first backward runs while later micro-batches are held
-        return plan.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)
     if plan.zero >= ZeroStage.GRADIENTS:
-        # FSDP's gradient shards appear as backward reduce-scatters its first blocks,
-        # while the others' activations are held: counted, at 1/dp of the gradients
-        return True
+        # FSDP's shards appear block by block (`fsdp_backward_held`); under a pipeline
+        # they appear after the last micro-batch, the whole gradients before (buffers)
+        return False
+    if plan.pp > 1:
+        return backward_beside_forward(plan)
     # DDP (data parallel alone, ZeRO 0-1) keeps its gradients as its buckets
     return (plan.dp or 1) > 1 and plan.tp == 1
+
+
+def _rank_blocks(plan: Plan, dims: ModelDims, scale: float) -> list[float]:
+    """Bytes of each block the most loaded pipeline rank holds, in forward order."""
+    sizes = dims.block_sizes or (dims.block_params,) * dims.layers
+    if not sizes:
+        return []
+    stages = plan.n_stages()
+    per_stage: list[list[float]] = [[] for _ in range(stages)]
+    for i, size in enumerate(sizes):
+        per_stage[i * stages // len(sizes)].append(size * scale)
+    ranks = [
+        [b for j in stage_indices(plan.schedule, plan.pp, r) for b in per_stage[j]]
+        for r in range(plan.pp)
+    ]
+    return max(ranks, key=sum)
+
+
+def fsdp_backward_held(
+    zero: ZeroStage,
+    blocks: list[float],
+    root: float,
+    dp: int,
+    block_acts: float = 0.0,
+    *,
+    own_acts: float | None = None,
+) -> float:
+    """Bytes FSDP2 holds beside its parameter shards and the activations at the peak of
+    one backward.
+
+    Backward runs the blocks in reverse; while block i's gradients are reduce-scattered
+    its whole gradients and the reduce-scatter's padded copy of them coexist (2 x block
+    i, less block i's own activations, freed by then), beside the gradient shards of the
+    blocks after it and the unsharded parameters still held: under ZeRO-2 (no resharding
+    after forward) every block up to i and the root's own (`root`: parameters outside
+    the blocks); under ZeRO-3 block i's alone. The later blocks' activations
+    (`block_acts` each) are freed by then, and are subtracted, as are block i's own
+    (`own_acts`, the recomputed ones under checkpointing; default `block_acts`).
+    A model without blocks is one unit, its root, whose whole parameters and gradients peak
+    together with the activations of the layers not yet differentiated (ResNet-18 and VGG
+    under dp=4,zero=2: within 1% of the meter). On the MLP's blocks of 8, 16, 8 and 0.04
+    MiB this puts the peak at the 16 MiB block within 3% of the meter (ZeRO-3 as measured
+    shows no prefetched block beside it: counting one overshot by 16%).
+    """
+    held = 2 * root + sum(blocks) / dp - len(blocks) * block_acts
+    for i, b in enumerate(blocks):
+        params = sum(blocks[: i + 1]) if zero is ZeroStage.GRADIENTS else b
+        later = blocks[i + 1 :]
+        # the copy is made once block i's own activations are freed
+        grads = 2 * b - min(b, block_acts if own_acts is None else own_acts)
+        held = max(held, params + root + grads + (sum(later) / dp - len(later) * block_acts))
+    return held
 
 
 def estimate_memory(
@@ -212,6 +298,7 @@ def estimate_memory(
     optimizer_states: int = 2,
     bytes_per_param: int = 4,
     offload_counts: bool = True,
+    foreach: bool = False,
 ) -> MemoryEstimate:
     """Per-rank bytes of `plan` (resolved); see the module docstring.
 
@@ -219,11 +306,13 @@ def estimate_memory(
         optimizer_states: tensors the optimizer keeps per parameter (Adam 2, SGD+momentum 1).
         offload_counts: count offloaded state (it lives in host memory: on a CPU "device"
             it still counts).
+        foreach: the optimizer updates every tensor at once (torch's default on CUDA) and
+            holds one temporary per parameter; otherwise (CPU's default) it updates one
+            tensor at a time, with `optimizer_states` temporaries of that tensor at most.
     """
     dp, tp, pp = plan.dp or 1, plan.tp, plan.pp
     s = bytes_per_param
     stages = plan.n_stages()
-    block_bytes = dims.block_params * s / tp
     other_bytes = dims.other_params * s  # embeddings/head: replicated over tp; one stage each
     if dims.layers:
         # the most loaded rank's stages, block by block (blocks may differ in size)
@@ -236,6 +325,9 @@ def estimate_memory(
         local = other_bytes
     shard = local / dp
     zero = plan.zero
+    # ZeroRedundancyOptimizer gives each rank whole tensors: one rank updates the largest
+    largest = min(dims.largest_param * s, local) if dims.largest_param else 0.0
+    updated = max(shard, largest) if zero is ZeroStage.OPTIMIZER else shard
     offloaded = plan.offload and not offload_counts
     params = (
         (0.0 if offloaded else shard)
@@ -243,45 +335,65 @@ def estimate_memory(
         else local
     )
     grads = (0.0 if offloaded else shard) if zero >= ZeroStage.GRADIENTS else local
-    opt = optimizer_states * (shard if zero >= ZeroStage.OPTIMIZER else local)
+    opt = optimizer_states * (updated if zero >= ZeroStage.OPTIMIZER else local)
     if offloaded:
         opt = 0.0
+    # the update: Adam's denominator (sqrt of the second moment, then scaled) of every
+    # tensor at once, or of one tensor at a time, two temporaries of it (the MLP's 16 MiB
+    # layer under dp=4 peaks 32 MiB above its model state in the update, on the meter)
+    fsdp = zero >= ZeroStage.GRADIENTS
+    if foreach:
+        step_transient = updated if zero >= ZeroStage.OPTIMIZER else local
+    else:
+        step_transient = optimizer_states * (largest / dp if fsdp else largest)
     buffers = 0.0
-    if zero is ZeroStage.GRADIENTS:
-        buffers += local  # unsharded parameters live from forward to the end of backward
-        if pp > 1 and grads_with_activations(plan):
-            # a pipeline reduce-scatters once, after its last micro-batch: the gradients
-            # accumulate unsharded from the first backward on, beside later activations
-            buffers += local
-    elif zero is ZeroStage.PARAMETERS:
-        # current and prefetched block (all-gather input and output), the root's own
-        # parameters, and the unsharded gradients of the block being reduced
-        buffers += 4 * block_bytes + other_bytes + 2 * block_bytes
+    after = 0.0
+    if fsdp and pp > 1:
+        # a pipeline unshards a stage once for all its micro-batches and reduce-scatters
+        # after the last: its parameters are whole from the first forward on, its gradients
+        # add up whole from the first backward (beside later micro-batches' activations
+        # under 1F1B) to the end, where both are held with the last fresh gradient (the
+        # MLP's dp=2,pp=2: the same peak at zero=2 and zero=3)
+        buffers = local * (2 if backward_beside_forward(plan) else 1)
+        after = 2 * local + largest - shard  # the gradient shards come later, in their place
     # DDP's gradients are views of its buckets (plait.data_parallel's default): no second
     # copy. plait's gradient averaging (tensor/pipeline parallel) fuses after backward,
     # when the activations are gone: its bucket never coexists with them.
     synced = dp > 1 and zero <= ZeroStage.OPTIMIZER and (tp > 1 or pp > 1)
-    after = min(local, 25 * 2**20) if synced else 0.0
+    if synced:
+        after = min(local, 25 * 2**20)
+    # a fresh gradient is a tensor of its own until it is copied into DDP's bucket or added
+    # to the micro-batches' sum; alone, a plain backward's gradient is the tensor it keeps
+    ddp = dp > 1 and not fsdp and tp == 1 and pp == 1
+    grad_transient = largest if ddp or pp > 1 else 0.0
     # activations
     local_samples = global_batch / dp
     mb = local_samples / plan.n_microbatches()
     split = 1 / tp if plan.sp else (TP_SPLIT_SHARE / tp + 1 - TP_SPLIT_SHARE)
     per_block = acts.block * split * mb
     stage_blocks = math.ceil(dims.layers / stages)
-    # checkpointing keeps each micro-batch's block inputs, and while a block is recomputed
-    # and differentiated its activations and temporaries: three blocks' worth on the GPT
-    # (`dp=4,zero=3,ac=true` measured 61.8 MiB above its model state, 2 blocks would say
-    # 49.5); without it, a block's backward temporaries ride on everything saved
+    # a block's backward temporaries (`ActivationProfile.largest`) ride on everything
+    # saved; checkpointing keeps each micro-batch's block inputs, and while a block is
+    # recomputed and differentiated, its activations beside them
+    temporaries = 2 * acts.largest * split * mb
     kept = stage_blocks * (acts.block_input * mb if plan.ac else per_block)
     # a first stage keeps the embeddings' activations of every micro-batch in flight
-    activations = in_flight(plan) * (kept + acts.other * mb) + (3 if plan.ac else 1) * per_block
+    activations = (
+        in_flight(plan) * (kept + acts.other * mb) + (per_block if plan.ac else 0.0) + temporaries
+    )
+    if fsdp and pp == 1:
+        blocks = _rank_blocks(plan, dims, s / tp)
+        saved = kept / len(blocks) if blocks else 0.0
+        buffers = fsdp_backward_held(plan.zero, blocks, other_bytes, dp, saved, own_acts=per_block)
     return MemoryEstimate(
         params=params,
         grads=grads,
         optimizer=opt,
         buffers=buffers,
-        activations=activations * (1 + ACTIVATION_MARGIN),
+        activations=activations,
+        grad_transient=grad_transient,
         after_backward=after,
+        step_transient=step_transient,
         grads_with_activations=grads_with_activations(plan),
     )
 
@@ -306,11 +418,17 @@ class PeakMemory(TorchDispatchMode):
     Use around model construction and training; `reset_peak()` starts a new peak from the
     current live bytes (e.g. after set-up, to measure steady steps). `track` adds storages
     created before the mode (or outside the dispatcher).
+
+    A storage's size is read again after every operator, not only at its creation: FSDP2
+    frees and re-allocates its unsharded parameters by resizing their storages in place
+    (``untyped_storage().resize_``), which no dispatch mode sees. Counting them at their
+    first size kept every unsharded parameter alive for the whole step (on the MLP under
+    ``dp=4,zero=3``, 32 MiB of a 103 MiB peak).
     """
 
     current: int = 0
     peak: int = 0
-    _live: dict[int, int] = field(default_factory=dict)
+    _live: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -319,6 +437,7 @@ class PeakMemory(TorchDispatchMode):
         for t in tensors:
             for local in _local_tensors(t):
                 self._add(local)
+        self._refresh()
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":
@@ -330,16 +449,20 @@ class PeakMemory(TorchDispatchMode):
         key = storage._cdata
         if key in self._live:
             return
-        n = storage.nbytes()
-        self._live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
+        self._live[key] = weakref.ref(storage)
+        weakref.finalize(storage, self._live.pop, key, None)
 
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
+    def _refresh(self) -> None:
+        total = 0
+        for ref in list(self._live.values()):
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        self.current = total
+        self.peak = max(self.peak, total)
 
     def reset_peak(self) -> None:
+        self._refresh()
         self.peak = self.current
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -348,6 +471,7 @@ class PeakMemory(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 for local in _local_tensors(leaf):
                     self._add(local)
+        self._refresh()
         return out
 
 

@@ -42,3 +42,17 @@ def test_bad_fidelity_input_is_refused(capsys: pytest.CaptureFixture[str]) -> No
     assert (
         exc.value.code == 2 and "--fidelity 0: expected an integer >= 1" in capsys.readouterr().err
     )
+
+
+def test_a_tensor_training_never_moves_is_judged_at_its_members_scale() -> None:
+    """Rounding noise in a tensor whose true gradient is zero (BERT's attention key
+    biases, near 1e-9) read O(1) relative to itself; against a thousandth of its member's
+    largest value it reads as the noise it is. A real difference in a moved tensor still
+    counts in full."""
+    weight = torch.ones(4)
+    stock = {"w": weight, "key_bias": torch.full((4,), 1e-9)}
+    noisy = {"w": weight.clone(), "key_bias": torch.full((4,), 3e-9)}
+    assert fidelity._rel(noisy["key_bias"], stock["key_bias"]) == pytest.approx(2.0)
+    assert fidelity._distance([noisy], [stock]) == pytest.approx(2e-9 / fidelity.SCALE_FLOOR)
+    off = {"w": weight + 1e-3, "key_bias": stock["key_bias"]}
+    assert fidelity._distance([off], [stock]) == pytest.approx(1e-3, rel=1e-4)  # fp32 1 + 1e-3

@@ -44,3 +44,20 @@ def test_excluded_tensor_degrees_name_the_dimension() -> None:
     assert {p.tp for p in candidate_plans(4, dims, global_batch=8)} == {1}
     why = excluded_degrees(4, dims)
     assert len(why) == 2 and all("heads=3" in w for w in why)
+
+
+def test_no_pipeline_for_tied_parameters_nor_sequence_parallelism_the_model_refuses() -> None:
+    """GPT-2 ties its embeddings to its head, BERT's classifier has no pipeline split and
+    BERT norms inside its sub-layers: the planner proposed pp>1 and sp plans for them
+    that failed when built."""
+    import dataclasses
+
+    from plait.parallel.adapters import ModelDims
+    from plait.parallel.planner.enumerate import candidate_plans
+
+    dims = ModelDims(layers=4, hidden=8, heads=2, ffn=32, params=1000, block_params=200, seq_len=8)
+    plans = list(candidate_plans(4, dims, global_batch=16))
+    assert any(p.pp > 1 for p in plans) and any(p.sp for p in plans)
+    tied = dataclasses.replace(dims, no_pipeline="wte is tied to lm_head", no_sequence="norms")
+    plans = list(candidate_plans(4, tied, global_batch=16))
+    assert plans and not any(p.pp > 1 or p.sp for p in plans)

@@ -24,7 +24,8 @@ def candidate_plans(
     """Every valid plan for this world and model (see the module docstring).
 
     A plan is skipped when its data degree does not divide `global_batch` (ranks would
-    read unequal shards) or a pipeline has more stages than the model has blocks.
+    read unequal shards), a pipeline has more stages than the model has blocks or cannot
+    split it (`ModelDims.no_pipeline`), or sequence parallelism cannot shard its norms.
     """
     for tp in _divisors(world):
         try:
@@ -32,7 +33,7 @@ def candidate_plans(
         except ValueError:
             continue
         for pp in _divisors(world // tp):
-            if pp > 1 and (dims.layers < pp or dims.layers == 0):
+            if pp > 1 and (dims.layers < pp or dims.layers == 0 or dims.no_pipeline):
                 continue
             dp = world // (tp * pp)
             if global_batch % dp:
@@ -45,7 +46,7 @@ def candidate_plans(
                     zeros.insert(1, ZeroStage.OPTIMIZER)
             sps = (
                 [False, True]
-                if tp > 1 and (not dims.seq_len or dims.seq_len % tp == 0)
+                if tp > 1 and not dims.no_sequence and (not dims.seq_len or dims.seq_len % tp == 0)
                 else [False]
             )
             schedules = [Schedule.ONE_F_ONE_B]
@@ -67,7 +68,9 @@ def candidate_plans(
                         if pp > 1:
                             mbs = [m for m in (pp, 2 * pp, 4 * pp) if m <= local and local % m == 0]
                         for m in mbs:
-                            for ac in (False, True):
+                            # checkpointing adds memory under zero-bubble (Plan.validate)
+                            acs = [False] if schedule is Schedule.ZERO_BUBBLE else [False, True]
+                            for ac in acs:
                                 for off in offloads:
                                     yield Plan(
                                         dp=dp,

@@ -235,6 +235,7 @@ def estimate(
         optimizer_states=optimizer_states,
         bytes_per_param=bytes_per_param,
         offload_counts=not hardware.host_offload,
+        foreach=hardware.host_offload,  # a GPU, where torch's optimizers default to foreach
     )
     net = _costs(hardware.network)
     s = bytes_per_param
