@@ -119,6 +119,17 @@ tune-second-order-gpt() {
         --strategies "ssgd+muon@0.01;ssgd+heavyball-soap@0.001;ssgd+heavyball-soap@0.003;$EKFAC+sgd@0.03;$EKFAC+sgd@0.1;$SOAP+sgd-plain@0.001;$SOAP+sgd-plain@0.003"
 }
 
+# The same without torch's Muon and EKFAC, for hosts without native bf16: Muon's
+# Newton-Schulz runs in bf16, which an AVX2-only CPU emulates (22 s a step here against
+# 1.5 s in the committed optimizer races), and EKFAC missed the target at both tuned rates.
+second-order-gpt-no-muon() {  # BANDWIDTH HB_LR SOAP_LR [SEEDS]
+    local k="$KFAC,$TUNED+sgd" s="$SOAP+sgd-plain"
+    race "second-order-gpt-no-muon-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --seeds "${4:-0,1,2}" --max-steps 100 --eval-every 10 \
+        --strategies "ssgd+adamw@0.001;ssgd+heavyball-soap@$2;$k@0.1;$s@$3" \
+        --compare "$s/ssgd+heavyball-soap;$s/ssgd+adamw;$k/ssgd+adamw"
+}
+
 second-order-gpt() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR [SEEDS]: rates from tune-second-order-gpt
     local k="$KFAC,$TUNED+sgd" e="$EKFAC+sgd" s="$SOAP+sgd-plain"
     race "second-order-gpt-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
@@ -135,7 +146,15 @@ tune-second-order-digits-cnn() {
         --strategies "ssgd+adamw@0.01;ssgd+heavyball-soap@0.001;ssgd+heavyball-soap@0.003;ssgd+heavyball-soap@0.01;$EKFAC+sgd@0.01;$EKFAC+sgd@0.02;$EKFAC+sgd@0.05;$SOAP+sgd-plain@0.001;$SOAP+sgd-plain@0.003;$SOAP+sgd-plain@0.01"
 }
 
-second-order-digits-cnn() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR: rates from the tuning race
+# The rates the first tuning race chose sat at its grid's edges (0.01 for heavyball and
+# SOAP, the largest; 0.01 for EKFAC, the smallest): one step further on each side.
+tune-second-order-digits-cnn-edges() {
+    race tune-second-order-digits-cnn-edges --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth fast --seeds 10,11,12 --max-steps 400 --eval-every 5 \
+        --strategies "ssgd+adamw@0.01;ssgd+heavyball-soap@0.01;ssgd+heavyball-soap@0.03;$EKFAC+sgd@0.005;$EKFAC+sgd@0.01;$SOAP+sgd-plain@0.01;$SOAP+sgd-plain@0.03"
+}
+
+second-order-digits-cnn() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR: rates from the tuning races
     local k="$KFAC,$TUNED+sgd" e="$EKFAC+sgd" s="$SOAP+sgd-plain"
     race "second-order-digits-cnn-$1" --workload digits-cnn --target 0.97 --nodes 4 \
         --bandwidth "$1" --max-steps 600 --eval-every 5 \
