@@ -20,6 +20,28 @@ def test_gpt_dims() -> None:
     assert dims.params == sum(p.numel() for p in model.parameters())
     assert dims.other_params == dims.params - 4 * dims.block_params
     assert dims.seq_len == GPT_CFG.block_size
+    assert dims.largest_param == max(p.numel() for p in model.parameters())
+    assert dims.no_pipeline == ""
+
+
+def test_dims_say_why_a_pipeline_cannot_split_a_model() -> None:
+    """Tied parameters (a head sharing the embedding's weight) or no split into stages:
+    the planner reads `no_pipeline` and proposes no pipeline for either."""
+    tied = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False))
+    tied[2].weight = tied[0].weight
+    dims = adapter_for(tied).dims(tied)
+    assert dims.no_pipeline == "0.weight is tied to 2.weight"
+
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    opaque = Opaque()
+    assert "has no pipeline split" in adapter_for(opaque).dims(opaque).no_pipeline
 
 
 def test_tensor_degree_check_names_the_dimension() -> None:
