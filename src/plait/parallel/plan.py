@@ -125,8 +125,8 @@ class Plan:
             raise ValueError("plan: the zero-bubble schedule does not compose with sp")
         if self.pp > 1 and self.schedule is Schedule.ZERO_BUBBLE and self.ac:
             # measured on the GPT (dp=2,pp=2, 2 micro-batches): 150 MiB per rank with
-            # checkpointing, 111 MiB without; the split backward keeps what the input pass
-            # recomputed until the weight pass, so checkpointing adds compute and memory
+            # checkpointing, 111 MiB without (likely: the split backward keeps what the
+            # input pass recomputed until the weight pass); it adds compute and memory
             raise ValueError(
                 "plan: activation checkpointing under the zero-bubble schedule holds more "
                 "memory than without it; use ac=false, or schedule=1f1b with ac=true"
