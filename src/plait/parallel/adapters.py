@@ -102,14 +102,14 @@ class ModelDims:
         in_blocks = sum(self.block_sizes) if self.block_sizes else self.layers * self.block_params
         return max(0, self.params - in_blocks)
 
-    def stage_params(self, n_stages: int) -> list[int]:
-        """Block parameters of each of `n_stages` pipeline stages, split as
+    def stage_blocks(self, n_stages: int) -> list[list[int]]:
+        """Parameters of each block of each of `n_stages` pipeline stages, split as
         `plait.parallel.pipeline.split_units` splits the blocks (block i to stage
-        ``i * n_stages // layers``)."""
+        ``i * n_stages // layers``); no blocks, empty stages."""
         sizes = self.block_sizes or (self.block_params,) * self.layers
-        out = [0] * n_stages
+        out: list[list[int]] = [[] for _ in range(n_stages)]
         for i, size in enumerate(sizes):
-            out[i * n_stages // len(sizes)] += size
+            out[i * n_stages // len(sizes)].append(size)
         return out
 
     def check_tensor_degree(self, tp: int, *, sequence: bool = False) -> None:

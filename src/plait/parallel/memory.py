@@ -237,15 +237,10 @@ def grads_with_activations(plan: Plan) -> bool:
     return (plan.dp or 1) > 1 and plan.tp == 1
 
 
-def _rank_blocks(plan: Plan, dims: ModelDims, scale: float) -> list[float]:
-    """Bytes of each block the most loaded pipeline rank holds, in forward order."""
-    sizes = dims.block_sizes or (dims.block_params,) * dims.layers
-    if not sizes:
-        return []
-    stages = plan.n_stages()
-    per_stage: list[list[float]] = [[] for _ in range(stages)]
-    for i, size in enumerate(sizes):
-        per_stage[i * stages // len(sizes)].append(size * scale)
+def _rank_blocks(plan: Plan, dims: ModelDims) -> list[int]:
+    """Parameters of each block the most loaded pipeline rank holds, in forward order
+    (blocks may differ in size); [] for a model without blocks."""
+    per_stage = dims.stage_blocks(plan.n_stages())
     ranks = [
         [b for j in stage_indices(plan.schedule, plan.pp, r) for b in per_stage[j]]
         for r in range(plan.pp)
@@ -314,38 +309,28 @@ def estimate_memory(
     s = bytes_per_param
     stages = plan.n_stages()
     other_bytes = dims.other_params * s  # embeddings/head: replicated over tp; one stage each
-    if dims.layers:
-        # the most loaded rank's stages, block by block (blocks may differ in size)
-        per_stage = dims.stage_params(stages)
-        held = max(
-            sum(per_stage[j] for j in stage_indices(plan.schedule, pp, r)) for r in range(pp)
-        )
-        local = held * s / tp + other_bytes
-    else:
-        local = other_bytes
+    block_bytes = [b * s / tp for b in _rank_blocks(plan, dims)]  # the most loaded rank's
+    local = sum(block_bytes) + other_bytes
     shard = local / dp
     zero = plan.zero
-    # ZeroRedundancyOptimizer gives each rank whole tensors: one rank updates the largest
+    fsdp = zero >= ZeroStage.GRADIENTS  # FSDP2 shards parameters, gradients and states
     largest = min(dims.largest_param * s, local) if dims.largest_param else 0.0
-    updated = max(shard, largest) if zero is ZeroStage.OPTIMIZER else shard
+    # what this rank's optimizer updates: ZeroRedundancyOptimizer gives each rank whole
+    # tensors, so one rank updates the largest
+    if zero is ZeroStage.NONE:
+        updated = local
+    elif zero is ZeroStage.OPTIMIZER:
+        updated = max(shard, largest)
+    else:
+        updated = shard
     offloaded = plan.offload and not offload_counts
-    params = (
-        (0.0 if offloaded else shard)
-        if zero is ZeroStage.PARAMETERS or zero is ZeroStage.GRADIENTS
-        else local
-    )
-    grads = (0.0 if offloaded else shard) if zero >= ZeroStage.GRADIENTS else local
-    opt = optimizer_states * (updated if zero >= ZeroStage.OPTIMIZER else local)
-    if offloaded:
-        opt = 0.0
+    params = (0.0 if offloaded else shard) if fsdp else local
+    grads = (0.0 if offloaded else shard) if fsdp else local
+    opt = 0.0 if offloaded else optimizer_states * updated
     # the update: Adam's denominator (sqrt of the second moment, then scaled) of every
     # tensor at once, or of one tensor at a time, two temporaries of it (the MLP's 16 MiB
     # layer under dp=4 peaks 32 MiB above its model state in the update, on the meter)
-    fsdp = zero >= ZeroStage.GRADIENTS
-    if foreach:
-        step_transient = updated if zero >= ZeroStage.OPTIMIZER else local
-    else:
-        step_transient = optimizer_states * (largest / dp if fsdp else largest)
+    step_transient = updated if foreach else optimizer_states * (largest / dp if fsdp else largest)
     buffers = 0.0
     after = 0.0
     if fsdp and pp > 1:
@@ -382,9 +367,10 @@ def estimate_memory(
         in_flight(plan) * (kept + acts.other * mb) + (per_block if plan.ac else 0.0) + temporaries
     )
     if fsdp and pp == 1:
-        blocks = _rank_blocks(plan, dims, s / tp)
-        saved = kept / len(blocks) if blocks else 0.0
-        buffers = fsdp_backward_held(plan.zero, blocks, other_bytes, dp, saved, own_acts=per_block)
+        saved = kept / len(block_bytes) if block_bytes else 0.0
+        buffers = fsdp_backward_held(
+            plan.zero, block_bytes, other_bytes, dp, saved, own_acts=per_block
+        )
     return MemoryEstimate(
         params=params,
         grads=grads,
