@@ -255,3 +255,105 @@ def test_adam_in_place_counts_as_an_in_place_change() -> None:
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def _heads_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """torch's attention with k and v repeated per query head; a fully masked row gives
+    zeros (torch's kernel gives NaN there, plait's the zeros its math path gives)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal).nan_to_num()
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "t", "d"), [(2, 2, 32, 16), (4, 2, 32, 8), (2, 1, 7, 5), (2, 2, 64, 16)]
+)
+@pytest.mark.parametrize("masking", ["none", "causal", "additive", "causal+additive"])
+def test_heads_attention_kernel_matches_torch(
+    heads: int, kv_heads: int, t: int, d: int, masking: str
+) -> None:
+    torch.manual_seed(0)
+    nb = 5
+    # q as a captured model holds it: a transposed view of a [nb, t, heads, d] projection
+    q = torch.randn(nb, t, heads, d).transpose(1, 2).requires_grad_()
+    k = torch.randn(nb, kv_heads, t, d, requires_grad=True)
+    v = torch.randn(nb, kv_heads, t, d, requires_grad=True)
+    mask = None
+    if "additive" in masking:
+        mask = torch.randn(nb, 1, t, t)
+        mask[:, :, 0, :] = float("-inf")  # the first query sees nothing
+    causal = "causal" in masking
+    lib = native.attention_heads_kernels(q, k, v, mask)
+    assert lib is not None
+    ours = native.attention_heads(q, k, v, mask=mask, causal=causal, dropout=None,
+                                  scale=d**-0.5, lib=lib)  # fmt: skip
+    inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = _heads_reference(*inputs, None if mask is None else mask.double(), causal)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(ours, (q, k, v), g.float())
+    ref_grads = torch.autograd.grad(ref, inputs, g)
+    assert rel_err(ours, ref) <= FP32_RTOL
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert rel_err(grad, ref_grad) <= FP32_RTOL
+
+
+@needs_native
+def test_heads_attention_dropout_per_model_and_its_gradient() -> None:
+    """Dropout inside the kernel: a model at p = 0 keeps every probability, one at 0.5
+    drops about half (values of 1 average to 1 either way), and the backward, which
+    recomputes the mask from the seed, is the gradient of the forward (finite
+    differences, in float64 arithmetic on the same seed)."""
+    torch.manual_seed(0)
+    nb, heads, t, d = 16, 2, 32, 16
+    q, k = torch.randn(nb, heads, t, d), torch.randn(nb, heads, t, d)
+    ones = torch.ones(nb, heads, t, d)
+    lib = native.attention_heads_kernels(q, k, ones, None)
+    assert lib is not None
+    out = native.attention_heads(q, k, ones, mask=None, causal=True, dropout=[0.0] * 4 + [0.5] * 4,
+                                 scale=0.25, lib=lib)  # fmt: skip
+    # 16 rows in 8 models of 2: rows 0-7 are models 0-3, at p = 0
+    assert torch.allclose(out[:8], torch.ones_like(out[:8]), rtol=1e-6)
+    dropped = out[8:]
+    assert not torch.equal(dropped, torch.ones_like(dropped))
+    assert abs(float(dropped.mean()) - 1.0) < 0.05  # 16k outputs of a mean-1 estimate
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(1)  # the seed the kernel draws its mask from
+        return native.attention_heads(q, k, v, mask=None, causal=True, dropout=[0.3],
+                                      scale=0.25, lib=lib)  # fmt: skip
+
+    inputs = [torch.randn(nb, heads, t, d, requires_grad=True) for _ in range(3)]
+    g = torch.randn(nb, t, heads, d).transpose(1, 2)
+    grads = torch.autograd.grad(run(*inputs), inputs, g)
+    eps = 1e-2
+    for i, grad in enumerate(grads):
+        direction = torch.randn(nb, heads, t, d)
+        with torch.no_grad():
+            up = [x + eps * direction if j == i else x for j, x in enumerate(inputs)]
+            down = [x - eps * direction if j == i else x for j, x in enumerate(inputs)]
+            numeric = float(((run(*up) - run(*down)) * g).sum()) / (2 * eps)
+        # central differences of a smooth function at eps 1e-2 in fp32: ~1e-4 relative
+        assert math.isclose(float((grad * direction).sum()), numeric, rel_tol=2e-3)
+
+
+@needs_native
+def test_heads_attention_kernels_refuse_what_they_cannot_serve() -> None:
+    q = torch.randn(2, 2, 8, 4)
+    assert native.attention_heads_kernels(q, q, q, None) is not None
+    assert native.attention_heads_kernels(q.double(), q.double(), q.double(), None) is None
+    assert native.attention_heads_kernels(q, q[:, :, :4], q[:, :, :4], None) is None  # cross
+    assert (
+        native.attention_heads_kernels(
+            q,
+            q[:, :1].expand(2, 3, 8, 4).contiguous(),
+            q[:, :1].expand(2, 3, 8, 4).contiguous(),
+            None,
+        )
+        is None
+    )
+    assert native.attention_heads_kernels(q.transpose(2, 3), q, q, None) is None  # rows strided
+    long = torch.randn(1, 1, native.functions.MAX_HEADS_SEQ + 1, 4)
+    assert native.attention_heads_kernels(long, long, long, None) is None

@@ -8,9 +8,13 @@ the outputs with B in front. Nothing in it depends on B, so one rewrite serves a
 any size and survives `keep()`.
 
 Each operator node is replaced by its batching rule (`rules.RULES`, `layers.LAYER_RULES`);
-a node whose arguments are all shared (masks and positions built from shapes) runs
-unchanged, once for all models. A node without a rule raises `UnsupportedLayerError`
-naming it and the layer it was recorded in.
+a node whose arguments are all shared runs unchanged, once for all models. A node
+computed from literals alone (the causal and padding masks `transformers` builds from
+`arange`, forty operators in a Llama) is evaluated once, here, and its value becomes a
+constant of the fused graph; an attention mask so found to hide nothing is dropped, and
+one that is the causal mask becomes `is_causal`, which the attention kernels apply
+without reading a mask. A node without a rule raises `UnsupportedLayerError` naming it
+and the layer it was recorded in.
 """
 
 from __future__ import annotations
@@ -131,6 +135,9 @@ def rewrite(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(sig.input_specs), "export's signature and graph disagree"
     last: list[fx.Node] = []
+    folded = _fold_literals(graph)
+    constants = dict(ep.constants)
+    lifted: dict[fx.Node, fx.Node] = {}
 
     for node, spec in zip(placeholders, sig.input_specs, strict=True):
         target = spec.target or ""
@@ -154,6 +161,21 @@ def rewrite(
             slot.kind is SlotKind.INPUT and isinstance(value, torch.Tensor)
         )
 
+    def constant(node: fx.Node) -> fx.Node:
+        """The fused graph's input for folded `node`: a constant slot holding its value."""
+        if node not in lifted:
+            name = f"_folded_{node.name}"
+            with new.inserting_after(last[0]):
+                lifted[node] = new.placeholder(name)
+            last[0] = lifted[node]
+            slots.append(Slot(SlotKind.CONSTANT, name))
+            constants[name] = folded[node]
+            flags[node] = False
+        return lifted[node]
+
+    def lookup(x: fx.Node) -> fx.Node:
+        return constant(x) if x in folded else env[x]
+
     def flag(a: Any) -> Flags:
         if isinstance(a, fx.Node):
             return flags[a]
@@ -171,11 +193,11 @@ def rewrite(
         return settings[key]
 
     for node in graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" or node in folded or _folded_assert(node, folded):
             continue
         if node.op == "output":
             outs = node.args[0]
-            env[node] = new.output(fx.node.map_arg(outs, lambda x: env[x]))
+            env[node] = new.output(fx.node.map_arg(outs, lookup))
             out_flags = [any_batched(flag(o)) for o in outs]
             continue
         path, kind = _layer(node)
@@ -184,7 +206,7 @@ def rewrite(
         if node.op != "call_function":
             raise UnsupportedLayerError(f"{where} cannot be fused ({node.op})")
         if node.target is operator.getitem:
-            env[node] = new.node_copy(node, lambda x: env[x])
+            env[node] = new.node_copy(node, lookup)
             container, idx = flag(node.args[0]), node.args[1]
             flags[node] = container[idx] if isinstance(container, tuple) else container
             continue
@@ -193,16 +215,21 @@ def rewrite(
                 f"{where} cannot be fused: only ATen operators have batching rules"
             )
         args = bind(node.target, node.args, node.kwargs)
+        if node.target is aten.scaled_dot_product_attention.default:
+            args = _known_mask(args, folded)
+        for a in pytree.tree_leaves(args):
+            if isinstance(a, fx.Node) and a in folded:
+                constant(a)
         arg_flags = {k: flag(v) for k, v in args.items()}
         if not any(any_batched(f) for f in arg_flags.values()):
-            env[node] = new.node_copy(node, lambda x: env[x])
+            env[node] = new.node_copy(node, lookup)
             flags[node] = False
             continue
         rule = find_rule(node.target, _TABLE)
         if rule is None:
             raise UnsupportedLayerError(f"{where} cannot be fused: it has no batching rule")
         out = rule(Call(op=node.target, args=args, flags=arg_flags, where=where, layer=path))
-        kwargs = {k: fx.node.map_arg(v, lambda x: env[x]) for k, v in args.items()}
+        kwargs = {k: fx.node.map_arg(v, lookup) for k, v in args.items()}
         layer = layers.get(path)
         for keyword, (layer_type, attr) in out.settings.items():
             if isinstance(layer, layer_type):
@@ -221,7 +248,7 @@ def rewrite(
     return FusedGraph(
         module=module,
         slots=tuple(slots),
-        constants=dict(ep.constants),
+        constants=constants,
         mutated=mutated,
         out_spec=ep.call_spec.out_spec,
         out_batched=tuple(out_flags[len(mutated) :]),
@@ -229,9 +256,81 @@ def rewrite(
     )
 
 
+aten = torch.ops.aten
+
+
+def _fold_literals(graph: fx.Graph) -> dict[fx.Node, torch.Tensor]:
+    """The value of every node computed from literals alone (no graph input, nothing
+    random), for the nodes that are tensors: one model's masks and positions. A node some
+    operator writes in place, and everything it was computed from (a view's base), stays
+    in the graph: its value is not the same at every use."""
+    written = _written_nodes(graph)
+    stack = list(written)
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in written:
+                written.add(a)
+                stack.append(a)
+    values: dict[fx.Node, Any] = {}
+    for node in graph.nodes:
+        if node in written:
+            continue
+        target = node.target
+        if node.op != "call_function" or not (
+            isinstance(target, torch._ops.OpOverload) or target is operator.getitem
+        ):
+            continue
+        if isinstance(target, torch._ops.OpOverload) and (
+            torch.Tag.nondeterministic_seeded in target.tags
+            or target._schema.is_mutable
+            or not target._schema.returns
+        ):
+            continue
+        if not all(a in values for a in node.all_input_nodes):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda x: values[x])
+        with torch.no_grad():
+            values[node] = target(*args, **kwargs)
+    return {n: v for n, v in values.items() if isinstance(v, torch.Tensor)}
+
+
+def _folded_assert(node: fx.Node, folded: Mapping[fx.Node, torch.Tensor]) -> bool:
+    """A metadata assertion on a folded value: true at capture, so true ever after."""
+    return (
+        node.target is aten._assert_tensor_metadata.default
+        and bool(node.all_input_nodes)
+        and all(a in folded for a in node.all_input_nodes)
+    )
+
+
+def _known_mask(args: dict[str, Any], folded: Mapping[fx.Node, torch.Tensor]) -> dict[str, Any]:
+    """scaled_dot_product_attention's arguments with a folded mask simplified: none if it
+    hides nothing, `is_causal` if it is the causal mask (a boolean mask or an additive one
+    of zeros and -inf), else unchanged."""
+    mask = args.get("attn_mask")
+    if not isinstance(mask, fx.Node) or mask not in folded or args.get("is_causal"):
+        return args
+    value = folded[mask]
+    visible = value if value.dtype == torch.bool else value == 0
+    if value.dtype != torch.bool and not bool(((value == 0) | (value == float("-inf"))).all()):
+        return args
+    if bool(visible.all()):
+        return {**args, "attn_mask": None}
+    t, s = visible.shape[-2:]
+    causal = torch.ones(t, s, dtype=torch.bool).tril()
+    if t == s and bool((visible == causal).all()):
+        return {**args, "attn_mask": None, "is_causal": True}
+    return args
+
+
 def _written_placeholders(graph: fx.Graph) -> set[str]:
     """Names of graph inputs some operator writes in place (BatchNorm's statistics...)."""
-    written: set[str] = set()
+    return {n.name for n in _written_nodes(graph) if n.op == "placeholder"}
+
+
+def _written_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes some operator writes in place."""
+    written: set[fx.Node] = set()
     for node in graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -240,6 +339,6 @@ def _written_placeholders(graph: fx.Graph) -> set[str]:
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
             value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            if isinstance(value, fx.Node) and value.op == "placeholder":
-                written.add(value.name)
+            if isinstance(value, fx.Node):
+                written.add(value)
     return written

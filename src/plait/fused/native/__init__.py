@@ -21,6 +21,8 @@ from plait.fused.native.build import enabled, set_enabled, unavailable_reason
 from plait.fused.native.functions import (
     adam_kernels,
     adam_step,
+    attention_heads,
+    attention_heads_kernels,
     attention_kernels,
     dropout,
     dropout_kernels,
@@ -32,6 +34,8 @@ from plait.fused.native.functions import (
 __all__ = [
     "adam_kernels",
     "adam_step",
+    "attention_heads",
+    "attention_heads_kernels",
     "attention_kernels",
     "dropout",
     "dropout_kernels",

@@ -106,6 +106,77 @@ def packed_attention(qkv: Tensor, *, heads: int, mask: Tensor | None, lib: Kerne
     return out
 
 
+#: Longest sequence `attention_heads` serves: its blocks hold three SEQ x SEQ float
+#: arrays on a thread's stack (48 KiB at 64).
+MAX_HEADS_SEQ = 64
+
+
+def attention_heads_kernels(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Kernels | None:
+    """The kernels serving self-attention of these [nb, heads, T, d] q, k, v, or None:
+    float32 on a CPU, rows of d contiguous, as long keys as queries, heads a multiple of
+    k's and v's (grouped-query attention) and a mask broadcastable to [nb, heads, T, T]."""
+    if not (q.dim() == k.dim() == v.dim() == 4) or not _is_cpu_f32(q, k, v, mask):
+        return None
+    nb, heads, t, d = q.shape
+    kv = k.shape[1]
+    if k.shape != v.shape or k.shape != (nb, kv, t, d) or kv == 0 or heads % kv:
+        return None
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        return None
+    if mask is not None and (mask.dim() != 4 or mask.dtype != torch.float32):
+        return None
+    if not (1 <= t <= MAX_HEADS_SEQ and 1 <= d <= MAX_WIDTH):
+        return None
+    return _kernels(seq=t, head=d)
+
+
+class HeadsAttention(torch.autograd.Function):
+    """Self-attention with dropout of the probabilities inside the kernel (see
+    `attention_heads`): the forward keeps the probabilities before dropout and the seed,
+    the backward recomputes the dropout factors from them."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes the arguments positionally)
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+        p: Tensor | None, scale: float,
+    ) -> Tensor:  # fmt: skip
+        seed = 0 if p is None else int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        out, probs = _ops().attention_heads(q, k, v, mask, causal, p, seed, scale)
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.p, ctx.seed, ctx.scale = p, seed, scale
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, probs = ctx.saved_tensors
+        dq, dk, dv = _ops().attention_heads_backward(
+            q, k, v, probs, grad.contiguous(), ctx.p, ctx.seed, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def attention_heads(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
+    dropout: list[float] | None, scale: float, lib: Kernels,
+) -> Tensor:  # fmt: skip
+    """scaled_dot_product_attention of [nb, heads, T, d] q and [nb, kv_heads, T, d] k, v on
+    the native kernel (`lib` from `attention_heads_kernels`), [nb, heads, T, d] out.
+
+    Scores, the causal or additive `mask`, the softmax, dropout of the probabilities (the
+    nb rows split into len(dropout) models, each at its own rate) and the product with v
+    run in one pass per (sequence, head), where torch's math path makes each a separate
+    [nb, heads, T, T] tensor. The output is a transposed view of [nb, T, heads, d], the
+    layout a model reshapes attention to next, so that reshape copies nothing.
+    """
+    del lib
+    p = None if dropout is None or not any(dropout) else torch.tensor(dropout, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], q.shape[2])
+    out: Tensor = HeadsAttention.apply(q, k, v, mask, causal, p, scale)
+    return out.transpose(1, 2)
+
+
 def layer_norm_kernels(
     x: Tensor, *, width: int, weight: Tensor | None, bias: Tensor | None
 ) -> Kernels | None:

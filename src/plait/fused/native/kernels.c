@@ -334,7 +334,13 @@ static inline uint32_t mix32(uint32_t x) {
  * kept when the draw hashed from (seed, b * per_model + i) is at least p[b], and scaled by
  * 1 / (1 - p[b]). The mask is a function of the seed and the position, so the backward
  * pass applies the same function to the gradient (the kernel is linear in x) and no mask
- * is stored. A draw is the top 24 bits of the hash, compared with p[b] * 2^24. */
+ * is stored. A draw is the top 24 bits of the hash, compared with p[b] * 2^24.
+ *
+ * The inner loop multiplies by a selected factor (scale or 0) rather than choosing
+ * between x * scale and 0: a load under a condition is control flow the vectoriser
+ * refuses, and the branch-free form runs 8.5x faster on AVX2 (0.7 against 5.9 ns an
+ * element, measured). Like torch's dropout it multiplies every element, so a dropped NaN
+ * stays NaN. Indices run on 32 bits inside a chunk for the same reason. */
 #define DROPOUT_CHUNK 4096
 void dropout_apply(const float *restrict x, float *restrict out, i64 models, i64 per_model,
                    const float *restrict p, uint64_t seed, int threads) {
@@ -348,13 +354,212 @@ void dropout_apply(const float *restrict x, float *restrict out, i64 models, i64
             const float scale = q < 1.0f ? 1.0f / (1.0f - q) : 0.0f;
             const i64 start = c * DROPOUT_CHUNK;
             const i64 stop = start + DROPOUT_CHUNK < per_model ? start + DROPOUT_CHUNK : per_model;
-            const float *restrict xb = x + b * per_model;
-            float *restrict ob = out + b * per_model;
-            const uint32_t base = (uint32_t)(b * per_model);
-#pragma omp simd
-            for (i64 i = start; i < stop; i++) {
+            const int n = (int)(stop - start);
+            const float *restrict xb = x + b * per_model + start;
+            float *restrict ob = out + b * per_model + start;
+            const uint32_t base = (uint32_t)(b * per_model + start);
+            for (int i = 0; i < n; i++) {
                 const uint32_t h = mix32(mix32((base + (uint32_t)i) ^ s0) + s1);
-                ob[i] = (h >> 8) >= threshold ? xb[i] * scale : 0.0f;
+                const float keep = (h >> 8) >= threshold ? scale : 0.0f;
+                ob[i] = xb[i] * keep;
             }
         }
+}
+
+/* The factor dropout multiplies a kept probability by: 1 / (1 - p) when the draw hashed
+ * from (s0, s1, counter) clears `threshold` (p * 2^24), else 0; dropout_apply's draw. */
+static inline float keep_factor(uint32_t counter, uint32_t s0, uint32_t s1, uint32_t threshold,
+                                float scale) {
+    const uint32_t h = mix32(mix32(counter ^ s0) + s1);
+    return (h >> 8) >= threshold ? scale : 0.0f;
+}
+
+/* Strides (in elements) of attention_heads_*'s inputs: q, k and v by batch, head and row
+ * (their HEAD values contiguous), then the additive mask by batch, head, query, key. */
+enum { QS0, QS1, QS2, KS0, KS1, KS2, VS0, VS1, VS2, MS0, MS1, MS2, MS3, NSTRIDES };
+
+/* Self-attention over separate q [nb, heads, SEQ, HEAD] and k, v [nb, kv_heads, SEQ, HEAD],
+ * as a captured model's scaled_dot_product_attention holds them: views of its projections
+ * read through `strides`, query head h attending with key/value head h / (heads /
+ * kv_heads) (grouped-query attention), `causal` hiding keys after the query, `mask` an
+ * optional additive mask, and dropout of the probabilities in the kernel: the rows of
+ * model b / per_model drop at p[model] (p NULL: no dropout) with the hash of (seed,
+ * position in `probs`), so the backward recomputes the same mask and none is stored.
+ *
+ * out [nb, SEQ, heads, HEAD] gets the heads side by side, the layout a model reshapes the
+ * attention to next (torch sees it transposed to [nb, heads, SEQ, HEAD]); probs [nb,
+ * heads, SEQ, SEQ] keeps the probabilities before dropout, key-major, for the backward. A
+ * row every key of which is masked gets zero probabilities, as torch's kernel gives.
+ * One (sequence, head) block per iteration, scores held transposed as in
+ * attention_forward. */
+void attention_heads_forward(const float *restrict qp, const float *restrict kp,
+                             const float *restrict vp, const float *restrict mask,
+                             const i64 *restrict strides, float *restrict out,
+                             float *restrict probs, i64 nb, i64 heads, i64 kv_heads, int causal,
+                             const float *restrict p, i64 per_model, uint64_t seed, float scale,
+                             int threads) {
+    const i64 groups = heads / kv_heads, e = heads * HEAD;
+    const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 blk = 0; blk < nb * heads; blk++) {
+        const i64 b = blk / heads, h = blk % heads, kh = h / groups;
+        const float *q = qp + b * strides[QS0] + h * strides[QS1];
+        const float *k = kp + b * strides[KS0] + kh * strides[KS1];
+        const float *v = vp + b * strides[VS0] + kh * strides[VS1];
+        float qt[HEAD][SEQ], st[SEQ][SEQ], acc[SEQ][HEAD], mx[SEQ], sum[SEQ];
+        load_transposed(q, strides[QS2], qt);
+        transposed_product(k, strides[KS2], qt, st); /* st[j][i] = K[j] . Q[i] */
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) {
+            mx[i] = -INFINITY;
+            sum[i] = 0.0f;
+        }
+        for (i64 j = 0; j < SEQ; j++) {
+            if (mask) {
+                const float *mj = mask + b * strides[MS0] + h * strides[MS1] + j * strides[MS3];
+                for (i64 i = 0; i < SEQ; i++) st[j][i] = st[j][i] * scale + mj[i * strides[MS2]];
+            } else {
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++) st[j][i] *= scale;
+            }
+            if (causal) {
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++) st[j][i] = i < j ? -INFINITY : st[j][i];
+            }
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) mx[i] = st[j][i] > mx[i] ? st[j][i] : mx[i];
+        }
+        /* Conditions below are products with 0 or 1 (a bound hoisted out of the loop, a
+         * reciprocal taken before the choice): gcc keeps a loop with a select scalar. */
+        for (i64 j = 0; j < SEQ; j++) {
+            const i64 hidden = causal ? j : 0; /* queries i < j do not see key j */
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) {
+                const float x = exp_nonpos(st[j][i] - mx[i]);
+                st[j][i] = x * (float)(i >= hidden);
+                sum[i] += st[j][i];
+            }
+        }
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) {
+            const float inv = 1.0f / sum[i]; /* finite: exp_nonpos is at least 1.6e-38 */
+            sum[i] = inv * (float)(mx[i] != -INFINITY);
+        }
+        float *pb = probs + blk * SEQ * SEQ;
+        for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) {
+                st[j][i] *= sum[i];
+                pb[j * SEQ + i] = st[j][i];
+            }
+        }
+        if (p) {
+            const float q_ = p[b / per_model];
+            const uint32_t threshold = (uint32_t)(q_ * 16777216.0f);
+            const float keep = q_ < 1.0f ? 1.0f / (1.0f - q_) : 0.0f;
+            const uint32_t base = (uint32_t)(blk * SEQ * SEQ);
+            for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++)
+                    st[j][i] *= keep_factor(base + (uint32_t)(j * SEQ + i), s0, s1, threshold, keep);
+            }
+        }
+        float *o = out + b * SEQ * e + h * HEAD;
+        const i64 vs = strides[VS2];
+        ROWS_PRODUCT(o, e, st[j][i], v[j * vs + c], j, i) /* out[i] = sum_j P[i][j] V[j] */
+    }
+}
+
+/* acc[row][c] += sum over `outer` of coef * term: ROWS_PRODUCT without the zeroing and
+ * the store, for a sum over the query heads that share a key/value head. */
+#define ROWS_ACCUMULATE(acc, coef, term, outer, row)                   \
+    for (i64 outer = 0; outer < SEQ; outer++)                          \
+        for (i64 row = 0; row < SEQ; row++) {                          \
+            const float s_ = coef;                                     \
+            _Pragma("omp simd") for (i64 c = 0; c < HEAD; c++)         \
+                acc[row][c] += s_ * term;                              \
+        }
+
+/* The backward of attention_heads_forward: grad [nb, SEQ, heads, HEAD] (contiguous) ->
+ * dq [nb, heads, SEQ, HEAD], dk and dv [nb, kv_heads, SEQ, HEAD] (contiguous). With D the
+ * recomputed dropout factors and Y = P * D the probabilities the forward applied:
+ * dP = (G V^T) * D, dS = P * (dP - rowsum(P * dP)) * scale, dQ = dS K, dK = dS^T Q and
+ * dV = Y^T G, dK and dV summed over a key/value head's query heads. One (sequence,
+ * key/value head) per iteration, so those sums need no atomics. */
+void attention_heads_backward(const float *restrict qp, const float *restrict kp,
+                              const float *restrict vp, const i64 *restrict strides,
+                              const float *restrict probs, const float *restrict grad,
+                              float *restrict dqp, float *restrict dkp, float *restrict dvp,
+                              i64 nb, i64 heads, i64 kv_heads, const float *restrict p,
+                              i64 per_model, uint64_t seed, float scale, int threads) {
+    const i64 groups = heads / kv_heads, e = heads * HEAD;
+    const uint32_t s0 = (uint32_t)seed, s1 = (uint32_t)(seed >> 32);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 blk = 0; blk < nb * kv_heads; blk++) {
+        const i64 b = blk / kv_heads, kh = blk % kv_heads;
+        const float *k = kp + b * strides[KS0] + kh * strides[KS1];
+        const float *v = vp + b * strides[VS0] + kh * strides[VS1];
+        const i64 ks = strides[KS2], vs = strides[VS2], qs = strides[QS2];
+        float gt[HEAD][SEQ], dst[SEQ][SEQ], yt[SEQ][SEQ], acc[SEQ][HEAD], dot[SEQ];
+        float dk_acc[SEQ][HEAD], dv_acc[SEQ][HEAD];
+        for (i64 r = 0; r < SEQ; r++) {
+#pragma omp simd
+            for (i64 c = 0; c < HEAD; c++) dk_acc[r][c] = dv_acc[r][c] = 0.0f;
+        }
+        float threshold_keep = 0.0f;
+        uint32_t threshold = 0;
+        if (p) {
+            const float q_ = p[b / per_model];
+            threshold = (uint32_t)(q_ * 16777216.0f);
+            threshold_keep = q_ < 1.0f ? 1.0f / (1.0f - q_) : 0.0f;
+        }
+        for (i64 g = 0; g < groups; g++) {
+            const i64 h = kh * groups + g, qblk = b * heads + h;
+            const float *q = qp + b * strides[QS0] + h * strides[QS1];
+            const float *pt = probs + qblk * SEQ * SEQ;
+            const float *gr = grad + b * SEQ * e + h * HEAD;
+            load_transposed(gr, e, gt);
+            transposed_product(v, vs, gt, dst); /* dst[j][i] = dY[i][j] = V[j] . G[i] */
+            if (p) {
+                const uint32_t base = (uint32_t)(qblk * SEQ * SEQ);
+                for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+                    for (i64 i = 0; i < SEQ; i++) {
+                        const float d = keep_factor(base + (uint32_t)(j * SEQ + i), s0, s1,
+                                                    threshold, threshold_keep);
+                        dst[j][i] *= d;
+                        yt[j][i] = pt[j * SEQ + i] * d;
+                    }
+                }
+            } else {
+                for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+                    for (i64 i = 0; i < SEQ; i++) yt[j][i] = pt[j * SEQ + i];
+                }
+            }
+#pragma omp simd
+            for (i64 i = 0; i < SEQ; i++) dot[i] = 0.0f;
+            for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++) dot[i] += pt[j * SEQ + i] * dst[j][i];
+            }
+            for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+                for (i64 i = 0; i < SEQ; i++)
+                    dst[j][i] = pt[j * SEQ + i] * (dst[j][i] - dot[i]) * scale;
+            }
+            float *dq = dqp + qblk * SEQ * HEAD;
+            ROWS_PRODUCT(dq, HEAD, dst[j][i], k[j * ks + c], j, i)  /* dQ[i] = sum_j dS[i][j] K[j] */
+            ROWS_ACCUMULATE(dk_acc, dst[j][i], q[i * qs + c], i, j) /* dK[j] += sum_i dS[i][j] Q[i] */
+            ROWS_ACCUMULATE(dv_acc, yt[j][i], gr[i * e + c], i, j)  /* dV[j] += sum_i Y[i][j] G[i] */
+        }
+        float *dk = dkp + blk * SEQ * HEAD, *dv = dvp + blk * SEQ * HEAD;
+        for (i64 r = 0; r < SEQ; r++) {
+#pragma omp simd
+            for (i64 c = 0; c < HEAD; c++) {
+                dk[r * HEAD + c] = dk_acc[r][c];
+                dv[r * HEAD + c] = dv_acc[r][c];
+            }
+        }
+    }
 }

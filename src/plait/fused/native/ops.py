@@ -44,6 +44,10 @@ _SCHEMAS = {
     "Tensor(c!) exp_avg_sq, float[] step_size, float beta1, float beta2, float eps, "
     "float bc2_sqrt) -> ()",
     "dropout": "(Tensor x, Tensor p, int seed) -> Tensor",
+    "attention_heads": "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, Tensor? p, "
+    "int seed, float scale) -> (Tensor, Tensor)",
+    "attention_heads_backward": "(Tensor q, Tensor k, Tensor v, Tensor probs, Tensor grad, "
+    "Tensor? p, int seed, float scale) -> (Tensor, Tensor, Tensor)",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -115,6 +119,66 @@ def _attention_backward_fake(
     qkv: Tensor, probs: Tensor, grad: Tensor, heads: int, scale: float
 ) -> Tensor:
     return torch.empty_like(qkv)
+
+
+def _strides(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Any:
+    """attention_heads_*'s stride table: q, k, v by batch, head and row, then the mask's."""
+    table = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+             *((0, 0, 0, 0) if mask is None else mask.stride()))  # fmt: skip
+    return (ctypes.c_int64 * len(table))(*table)
+
+
+def _attention_heads(  # noqa: PLR0917 (an operator's schema is positional)
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, p: Tensor | None,
+    seed: int, scale: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Self-attention of q [nb, heads, T, d] with k, v [nb, kv_heads, T, d] (each with
+    contiguous rows of d), an additive `mask` broadcast to [nb, heads, T, T] by strides,
+    and dropout of the probabilities at model b's p[b]; the output [nb, T, heads, d] and
+    the probabilities before dropout (for the backward)."""
+    nb, heads, t, d = q.shape
+    lib = _library(SEQ=t, HEAD=d)
+    out = q.new_empty(nb, t, heads, d)
+    probs = q.new_empty(nb, heads, t, t)
+    models = 1 if p is None else p.numel()
+    lib.attention_heads_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), _strides(q, k, v, mask),
+        out.data_ptr(), probs.data_ptr(), nb, heads, k.shape[1], int(causal), _ptr(p),
+        nb // models, seed, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, probs
+
+
+def _attention_heads_fake(  # noqa: PLR0917
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, p: Tensor | None,
+    seed: int, scale: float,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    nb, heads, t, d = q.shape
+    return q.new_empty(nb, t, heads, d), q.new_empty(nb, heads, t, t)
+
+
+def _attention_heads_backward(  # noqa: PLR0917 (an operator's schema is positional)
+    q: Tensor, k: Tensor, v: Tensor, probs: Tensor, grad: Tensor, p: Tensor | None,
+    seed: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    nb, heads, t, d = q.shape
+    lib = _library(SEQ=t, HEAD=d)
+    dq = q.new_empty(q.shape)
+    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+    models = 1 if p is None else p.numel()
+    lib.attention_heads_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _strides(q, k, v), probs.data_ptr(),
+        grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), nb, heads, k.shape[1],
+        _ptr(p), nb // models, seed, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _attention_heads_backward_fake(  # noqa: PLR0917
+    q: Tensor, k: Tensor, v: Tensor, probs: Tensor, grad: Tensor, p: Tensor | None,
+    seed: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # ----------------------------------------------------------------------------- layer norm
@@ -282,6 +346,8 @@ _register("layer_norm", _layer_norm, _layer_norm_fake)
 _register("layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake)
 _register("adam_step", _adam_step, _adam_step_fake)
 _register("dropout", _dropout, _dropout_fake)
+_register("attention_heads", _attention_heads, _attention_heads_fake)
+_register("attention_heads_backward", _attention_heads_backward, _attention_heads_backward_fake)
 
 attention = torch.ops.plait.attention.default
 attention_backward = torch.ops.plait.attention_backward.default
@@ -289,6 +355,8 @@ layer_norm = torch.ops.plait.layer_norm.default
 layer_norm_backward = torch.ops.plait.layer_norm_backward.default
 adam_step = torch.ops.plait.adam_step.default
 dropout = torch.ops.plait.dropout.default
+attention_heads = torch.ops.plait.attention_heads.default
+attention_heads_backward = torch.ops.plait.attention_heads_backward.default
 
 #: The implementations themselves, without the dispatcher (see `plait.fused.native.functions`).
 direct = SimpleNamespace(
@@ -298,4 +366,6 @@ direct = SimpleNamespace(
     layer_norm_backward=_layer_norm_backward,
     adam_step=_adam_step,
     dropout=_dropout,
+    attention_heads=_attention_heads,
+    attention_heads_backward=_attention_heads_backward,
 )
