@@ -357,3 +357,25 @@ def test_heads_attention_kernels_refuse_what_they_cannot_serve() -> None:
     assert native.attention_heads_kernels(q.transpose(2, 3), q, q, None) is None  # rows strided
     long = torch.randn(1, 1, native.functions.MAX_HEADS_SEQ + 1, 4)
     assert native.attention_heads_kernels(long, long, long, None) is None
+
+
+@needs_native
+def test_gelu_tanh_kernel_matches_torch() -> None:
+    """Forward and backward of the tanh form against float64 torch over the whole range
+    (large |x| saturates the sigmoid); the exact form is not served."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.linspace(-12, 12, 20001), 3 * torch.randn(5000)]).requires_grad_()
+    lib = native.gelu_kernels(x, approximate="tanh")
+    assert lib is not None
+    assert native.gelu_kernels(x, approximate="none") is None
+    assert native.gelu_kernels(x.double(), approximate="tanh") is None
+    ours = native.gelu(x, lib=lib)
+    ref_in = x.detach().double().requires_grad_()
+    ref = F.gelu(ref_in, approximate="tanh")
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(ours, x, g.float())
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, g)
+    # element-wise, so judged per element against the largest value: a few fp32 ulps of
+    # 12 (the largest output) is ~1e-6 absolute, 1e-7 relative to it
+    assert float((ours.double() - ref).abs().max()) <= 1e-6 * 12
+    assert float((grad.double() - ref_grad).abs().max()) <= 1e-6 * float(g.abs().max())

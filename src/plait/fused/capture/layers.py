@@ -16,6 +16,7 @@ model trains exactly as the same layers fused by module would:
   per model -> one attention call over B*N batch entries, on the native attention kernel
   (`native.attention_heads`, dropout of the probabilities inside) where it applies;
 - dropout -> one draw, each model at the probability of its own layer;
+- GELU's tanh form -> the native kernel where it applies;
 - losses (cross-entropy, NLL, MSE, ...) with "mean" or "sum" reduction -> one loss per
   model, [B], as the model's own `ModelOutput.loss`.
 """
@@ -352,6 +353,23 @@ def _attend(**kw: Any) -> torch.Tensor:
     return torch.matmul(model_dropout(probs, [p] * b, training=True), v)
 
 
+# -------------------------------------------------------------------------------- gelu
+
+
+def gelu_rule(call: Call) -> Rewrite:
+    """GELU, element-wise as every pointwise operator; the tanh form (GPT-2's, which
+    `patterns.simplify` also finds written out) on the native kernel where it applies."""
+
+    def impl(**kw: Any) -> Any:
+        x, approximate = kw["self"], kw["approximate"]
+        lib = native.gelu_kernels(x, approximate=approximate)
+        if lib is not None:
+            return native.gelu(x, lib=lib)
+        return aten.gelu.default(x, approximate=approximate)
+
+    return Rewrite(named(impl, call.op, "fused"))
+
+
 # ----------------------------------------------------------------------------- dropout
 
 
@@ -481,7 +499,7 @@ LAYER_RULES: dict[Any, Rule] = {
     aten.convolution: convolution, aten.batch_norm: batch_norm_rule,
     aten.layer_norm: layer_norm_rule, aten.group_norm: group_norm_rule,
     aten.rms_norm: rms_norm, aten.prelu: prelu, aten.scaled_dot_product_attention: attention,
-    aten.dropout: dropout, aten.pad: pad, aten.constant_pad_nd: pad,
+    aten.dropout: dropout, aten.gelu: gelu_rule, aten.pad: pad, aten.constant_pad_nd: pad,
     aten.cross_entropy_loss: class_loss, aten.nll_loss: class_loss,
     aten.nll_loss_nd: class_loss, aten.nll_loss2d: class_loss,
     aten.mse_loss: elementwise_loss, aten.l1_loss: elementwise_loss,

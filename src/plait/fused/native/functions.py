@@ -177,6 +177,38 @@ def attention_heads(
     return out.transpose(1, 2)
 
 
+def gelu_kernels(x: Tensor, *, approximate: str) -> Kernels | None:
+    """The kernels serving GELU of x (float32 on a CPU, the tanh form), or None."""
+    if approximate != "tanh" or not _is_cpu_f32(x):
+        return None
+    return _kernels()
+
+
+class _GeluTanh(torch.autograd.Function):
+    """GELU (tanh form) whose backward recomputes from the input: only x is kept."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x)
+        return _ops().gelu_tanh(x)  # type: ignore[no-any-return]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return _ops().gelu_tanh_backward(grad.contiguous(), x)  # type: ignore[no-any-return]
+
+
+def gelu(x: Tensor, *, lib: Kernels) -> Tensor:
+    """`F.gelu(x, approximate="tanh")` (GPT-2's activation) on the native kernel (`lib`
+    from `gelu_kernels`): 1.6-2.8x faster than torch's CPU kernel forward and backward
+    (measured, see kernels.c), which took a tenth of a fused GPT-2's step."""
+    del lib
+    out: Tensor = _GeluTanh.apply(x)
+    return out
+
+
 def layer_norm_kernels(
     x: Tensor, *, width: int, weight: Tensor | None, bias: Tensor | None
 ) -> Kernels | None:

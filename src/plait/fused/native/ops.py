@@ -44,6 +44,8 @@ _SCHEMAS = {
     "Tensor(c!) exp_avg_sq, float[] step_size, float beta1, float beta2, float eps, "
     "float bc2_sqrt) -> ()",
     "dropout": "(Tensor x, Tensor p, int seed) -> Tensor",
+    "gelu_tanh": "(Tensor x) -> Tensor",
+    "gelu_tanh_backward": "(Tensor grad, Tensor x) -> Tensor",
     "attention_heads": "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, Tensor? p, "
     "int seed, float scale) -> (Tensor, Tensor)",
     "attention_heads_backward": "(Tensor q, Tensor k, Tensor v, Tensor probs, Tensor grad, "
@@ -332,6 +334,29 @@ def _dropout_fake(x: Tensor, p: Tensor, seed: int) -> Tensor:
     return torch.empty_like(x)
 
 
+# ----------------------------------------------------------------------------------- gelu
+def _gelu_tanh(x: Tensor) -> Tensor:
+    """GELU (tanh approximation) of contiguous `x`."""
+    y = torch.empty_like(x)
+    _library().gelu_tanh_forward(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+    return y
+
+
+def _gelu_tanh_backward(grad: Tensor, x: Tensor) -> Tensor:
+    dx = torch.empty_like(x)
+    _library().gelu_tanh_backward(grad.data_ptr(), x.data_ptr(), dx.data_ptr(), x.numel(),
+                                  torch.get_num_threads())  # fmt: skip
+    return dx
+
+
+def _gelu_tanh_fake(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _gelu_tanh_backward_fake(grad: Tensor, x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
 @functools.lru_cache(maxsize=256)
 def _sizes_and_offsets(sizes: tuple[int, ...]) -> tuple[ctypes.Array[ctypes.c_int64], ...]:
     """Per-model parameter sizes and their column offsets in the flat state, as C arrays
@@ -346,6 +371,8 @@ _register("layer_norm", _layer_norm, _layer_norm_fake)
 _register("layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake)
 _register("adam_step", _adam_step, _adam_step_fake)
 _register("dropout", _dropout, _dropout_fake)
+_register("gelu_tanh", _gelu_tanh, _gelu_tanh_fake)
+_register("gelu_tanh_backward", _gelu_tanh_backward, _gelu_tanh_backward_fake)
 _register("attention_heads", _attention_heads, _attention_heads_fake)
 _register("attention_heads_backward", _attention_heads_backward, _attention_heads_backward_fake)
 
@@ -355,6 +382,8 @@ layer_norm = torch.ops.plait.layer_norm.default
 layer_norm_backward = torch.ops.plait.layer_norm_backward.default
 adam_step = torch.ops.plait.adam_step.default
 dropout = torch.ops.plait.dropout.default
+gelu_tanh = torch.ops.plait.gelu_tanh.default
+gelu_tanh_backward = torch.ops.plait.gelu_tanh_backward.default
 attention_heads = torch.ops.plait.attention_heads.default
 attention_heads_backward = torch.ops.plait.attention_heads_backward.default
 
@@ -366,6 +395,8 @@ direct = SimpleNamespace(
     layer_norm_backward=_layer_norm_backward,
     adam_step=_adam_step,
     dropout=_dropout,
+    gelu_tanh=_gelu_tanh,
+    gelu_tanh_backward=_gelu_tanh_backward,
     attention_heads=_attention_heads,
     attention_heads_backward=_attention_heads_backward,
 )
