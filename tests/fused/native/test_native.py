@@ -379,3 +379,27 @@ def test_gelu_tanh_kernel_matches_torch() -> None:
     # 12 (the largest output) is ~1e-6 absolute, 1e-7 relative to it
     assert float((ours.double() - ref).abs().max()) <= 1e-6 * 12
     assert float((grad.double() - ref_grad).abs().max()) <= 1e-6 * float(g.abs().max())
+
+
+@needs_native
+@pytest.mark.parametrize("width", [5, 8, 32, 64])
+def test_rms_norm_kernel_matches_torch(width: int) -> None:
+    """The layer-norm kernel without centring is `F.rms_norm` with each model's scale.
+    (Not at width 1: x / |x| has a zero gradient there, which float32 gets as the
+    difference of two equal terms, so no relative error is meaningful.)"""
+    torch.manual_seed(0)
+    models = 3
+    x = torch.randn(models, 10, width, requires_grad=True)
+    weight = (torch.rand(models, width) + 0.5).requires_grad_()
+    lib = native.layer_norm_kernels(x, width=width, weight=weight, bias=None)
+    assert lib is not None
+    ours = native.layer_norm(x, width=width, weight=weight, bias=None, eps=1e-6, lib=lib,
+                             centred=False)  # fmt: skip
+    ref_x, ref_w = (t.detach().double().requires_grad_() for t in (x, weight))
+    ref = F.rms_norm(ref_x, [width], None, 1e-6) * ref_w[:, None, :]
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(ours, (x, weight), g.float())
+    ref_grads = torch.autograd.grad(ref, (ref_x, ref_w), g)
+    assert rel_err(ours, ref) <= FP32_RTOL
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert rel_err(grad, ref_grad) <= FP32_RTOL

@@ -27,18 +27,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.fused import native
 from plait.fused.capture.rules import Call, Rewrite, Rule, named, product_sum
-from plait.fused.ops.base import expand_models, model_view
+from plait.fused.ops.base import expand_models
 from plait.fused.ops.conv import conv
 from plait.fused.ops.dropout import dropout as model_dropout
 from plait.fused.ops.embedding import lookup
 from plait.fused.ops.linear import addmm as batched_addmm
 from plait.fused.ops.linear import linear as batched_linear
 from plait.fused.ops.norm import batch_norm, group_norm, layer_norm
+from plait.fused.ops.norm import rms_norm as fused_rms_norm
 from plait.fused.ops.pooling import per_channel
 from plait.fused.rules import align
 
@@ -229,9 +229,7 @@ def rms_norm(call: Call) -> Rewrite:
     def impl(**kw: Any) -> Any:
         b = int(kw["weight"].shape[0])
         x = _input(call, kw, b)
-        shape = list(kw["normalized_shape"])
-        y = F.rms_norm(x, shape, None, kw["eps"])
-        return y * model_view(kw["weight"], y.dim(), len(shape))
+        return fused_rms_norm(x, list(kw["normalized_shape"]), kw["weight"], kw["eps"])
 
     return Rewrite(named(impl, call.op, "fused"))
 

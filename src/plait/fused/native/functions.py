@@ -223,15 +223,16 @@ class AffineLayerNorm(torch.autograd.Function):
     ([models, width], or None): the normalisation and the affine in one pass each way."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-    ) -> Tensor:
+    def forward(  # noqa: PLR0917 (autograd passes the arguments positionally)
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+        centred: bool,
+    ) -> Tensor:  # fmt: skip
         x = x.contiguous()
         w = None if weight is None else weight.contiguous()
         b = None if bias is None else bias.contiguous()
-        y, mean, rstd = _ops().layer_norm(x, w, b, eps)
+        y, mean, rstd = _ops().layer_norm(x, w, b, eps, centred)
         ctx.save_for_backward(x, mean, rstd, w)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.centred = bias is not None, centred
         return y  # type: ignore[no-any-return]
 
     @staticmethod
@@ -241,9 +242,9 @@ class AffineLayerNorm(torch.autograd.Function):
         weight_grad = w is not None and ctx.needs_input_grad[1]
         bias_grad = ctx.has_bias and ctx.needs_input_grad[2]
         dx, dw, db = _ops().layer_norm_backward(
-            grad.contiguous(), x, mean, rstd, w, weight_grad, bias_grad
+            grad.contiguous(), x, mean, rstd, w, weight_grad, bias_grad, ctx.centred
         )
-        return dx, dw if weight_grad else None, db if bias_grad else None, None
+        return dx, dw if weight_grad else None, db if bias_grad else None, None, None
 
 
 def layer_norm(
@@ -254,14 +255,17 @@ def layer_norm(
     bias: Tensor | None,
     eps: float,
     lib: Kernels,
+    centred: bool = True,
 ) -> Tensor:
     """Layer norm over the trailing `width` elements of x [B, ...], with model b's affine
-    from weight[b] and bias[b] ([B, ...] holding `width` elements each, or None)."""
+    from weight[b] and bias[b] ([B, ...] holding `width` elements each, or None); not
+    `centred`, RMSNorm (`F.rms_norm`: the root mean square for the deviation, no mean
+    subtracted)."""
     models = x.shape[0] if weight is not None or bias is not None else 1
     flat = x.reshape(models, -1, width)
     w = None if weight is None else weight.reshape(models, width)
     b = None if bias is None else bias.reshape(models, width)
-    y: Tensor = AffineLayerNorm.apply(flat, w, b, eps)
+    y: Tensor = AffineLayerNorm.apply(flat, w, b, eps, centred)
     return y.view(x.shape)
 
 

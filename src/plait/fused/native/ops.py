@@ -37,9 +37,10 @@ _SCHEMAS = {
     "attention": "(Tensor qkv, Tensor? mask, int heads, float scale) -> (Tensor, Tensor)",
     "attention_backward": "(Tensor qkv, Tensor probs, Tensor grad, int heads, float scale) "
     "-> Tensor",
-    "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+    "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps, bool centred=True) "
+    "-> (Tensor, Tensor, Tensor)",
     "layer_norm_backward": "(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
-    "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)",
+    "bool weight_grad, bool bias_grad, bool centred=True) -> (Tensor, Tensor, Tensor)",
     "adam_step": "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
     "Tensor(c!) exp_avg_sq, float[] step_size, float beta1, float beta2, float eps, "
     "float bc2_sqrt) -> ()",
@@ -185,10 +186,11 @@ def _attention_heads_backward_fake(  # noqa: PLR0917
 
 # ----------------------------------------------------------------------------- layer norm
 def _layer_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, centred: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Layer norm of contiguous [models, rows, width] with each model's weight and bias
-    ([models, width] or None); the output, and each row's mean and 1/deviation."""
+    ([models, width] or None); the output, and each row's mean and 1/deviation. Not
+    `centred`, RMSNorm (the mean taken as 0)."""
     models, rows, width = x.shape
     lib = _library(WIDTH=width)
     y = torch.empty_like(x)
@@ -204,13 +206,14 @@ def _layer_norm(
         models,
         rows,
         eps,
+        int(centred),
         torch.get_num_threads(),
     )
     return y, mean, rstd
 
 
 def _layer_norm_fake(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, centred: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
     models, rows, _ = x.shape
     return torch.empty_like(x), x.new_empty(models * rows), x.new_empty(models * rows)
@@ -234,6 +237,7 @@ def _layer_norm_backward(  # noqa: PLR0917 (an operator's schema is positional)
     weight: Tensor | None,
     weight_grad: bool,
     bias_grad: bool,
+    centred: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     models, rows, width = x.shape
     lib = _library(WIDTH=width)
@@ -249,6 +253,7 @@ def _layer_norm_backward(  # noqa: PLR0917 (an operator's schema is positional)
         _ptr(db),
         models,
         rows,
+        int(centred),
         torch.get_num_threads(),
     )
     return dx, dw, db
@@ -262,6 +267,7 @@ def _layer_norm_backward_fake(  # noqa: PLR0917
     weight: Tensor | None,
     weight_grad: bool,
     bias_grad: bool,
+    centred: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _layer_norm_grads(x, weight, weight_grad, bias_grad)
 

@@ -80,6 +80,26 @@ def layer_norm(
     return torch.addcmul(model_view(bias, x.dim(), len(shape)), y, w)
 
 
+def rms_norm(
+    x: torch.Tensor, shape: Sequence[int], weight: torch.Tensor | None, eps: float | None
+) -> torch.Tensor:
+    """B models' `F.rms_norm` over [B, ..., *shape] with scale [B, *shape].
+
+    Narrow float32 rows on a CPU take the layer-norm kernel without centring: torch's
+    CPU RMSNorm is a chain of six operators forward and more backward, 4.5 ms a step in a
+    fused Llama of 16 models (measured), which the kernel does in one pass each way.
+    """
+    shape = tuple(shape)
+    width = math.prod(shape)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    lib = native.layer_norm_kernels(x, width=width, weight=weight, bias=None)
+    if lib is not None:
+        return native.layer_norm(x, width=width, weight=weight, bias=None, eps=eps, lib=lib,
+                                 centred=False)  # fmt: skip
+    y = F.rms_norm(x, shape, None, eps)
+    return y if weight is None else y * model_view(weight, x.dim(), len(shape))
+
+
 def group_norm(
     x: torch.Tensor,
     groups: int,
