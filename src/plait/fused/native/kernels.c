@@ -426,9 +426,11 @@ static inline float keep_factor(uint32_t counter, uint32_t s0, uint32_t s1, uint
     return (h >> 8) >= threshold ? scale : 0.0f;
 }
 
-/* Strides (in elements) of attention_heads_*'s inputs: q, k and v by batch, head and row
- * (their HEAD values contiguous), then the additive mask by batch, head, query, key. */
+/* Strides (in elements) of attention_heads_*'s tensors: q, k and v by batch, head and row
+ * (their HEAD values contiguous), then the additive mask by batch, head, query, key (the
+ * forward), or dq, dk and dv as q, k and v (the backward). */
 enum { QS0, QS1, QS2, KS0, KS1, KS2, VS0, VS1, VS2, MS0, MS1, MS2, MS3, NSTRIDES };
+enum { DQS0 = MS0, DQS1, DQS2, DKS0, DKS1, DKS2, DVS0, DVS1, DVS2 };
 
 /* Self-attention over separate q [nb, heads, SEQ, HEAD] and k, v [nb, kv_heads, SEQ, HEAD],
  * as a captured model's scaled_dot_product_attention holds them: views of its projections
@@ -523,7 +525,8 @@ void attention_heads_forward(const float *restrict qp, const float *restrict kp,
 }
 
 /* The backward of attention_heads_forward: grad [nb, SEQ, heads, HEAD] (contiguous) ->
- * dq [nb, heads, SEQ, HEAD], dk and dv [nb, kv_heads, SEQ, HEAD] (contiguous). With D the
+ * dq [nb, heads, SEQ, HEAD], dk and dv [nb, kv_heads, SEQ, HEAD], each written through
+ * its strides (the caller lays them out as q, k and v are). With D the
  * recomputed dropout factors and Y = P * D the probabilities the forward applied:
  * dP = (G V^T) * D, dS = P * (dP - rowsum(P * dP)) * scale, dQ = dS K, dK = dS^T Q and
  * dV = Y^T G, dK and dV summed over a key/value head's query heads. One (sequence,
@@ -542,8 +545,10 @@ void attention_heads_backward(const float *restrict qp, const float *restrict kp
         const float *k = kp + b * strides[KS0] + kh * strides[KS1];
         const float *v = vp + b * strides[VS0] + kh * strides[VS1];
         const i64 ks = strides[KS2], vs = strides[VS2], qs = strides[QS2];
+        const i64 dqs = strides[DQS2], dks = strides[DKS2], dvs = strides[DVS2];
         float gt[HEAD][SEQ], dst[SEQ][SEQ], yt[SEQ][SEQ], dot[SEQ];
-        float *dk = dkp + blk * SEQ * HEAD, *dv = dvp + blk * SEQ * HEAD;
+        float *dk = dkp + b * strides[DKS0] + kh * strides[DKS1];
+        float *dv = dvp + b * strides[DVS0] + kh * strides[DVS1];
         float threshold_keep = 0.0f;
         uint32_t threshold = 0;
         if (p) {
@@ -586,11 +591,11 @@ void attention_heads_backward(const float *restrict qp, const float *restrict kp
                 for (i64 i = 0; i < SEQ; i++)
                     dst[j][i] = pt[j * SEQ + i] * (dst[j][i] - dot[i]) * scale;
             }
-            float *dq = dqp + qblk * SEQ * HEAD;
+            float *dq = dqp + b * strides[DQS0] + h * strides[DQS1];
             /* dQ[i] = sum_j dS[i][j] K[j]; dK[j] += sum_i dS[i][j] Q[i]; dV[j] += sum_i Y[i][j] G[i] */
-            ROWS_PRODUCT(dq, HEAD, dst[j][i], k[j * ks + c], j, i)
-            ROWS_SUM(dk, HEAD, g > 0, dst[j][i], q[i * qs + c], i, j)
-            ROWS_SUM(dv, HEAD, g > 0, yt[j][i], gr[i * e + c], i, j)
+            ROWS_PRODUCT(dq, dqs, dst[j][i], k[j * ks + c], j, i)
+            ROWS_SUM(dk, dks, g > 0, dst[j][i], q[i * qs + c], i, j)
+            ROWS_SUM(dv, dvs, g > 0, yt[j][i], gr[i * e + c], i, j)
         }
     }
 }
