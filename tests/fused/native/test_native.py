@@ -405,3 +405,25 @@ def test_rms_norm_kernel_matches_torch(width: int) -> None:
     assert rel_err(ours, ref) <= FP32_RTOL
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert rel_err(grad, ref_grad) <= FP32_RTOL
+
+
+@needs_native
+def test_rotary_kernel_matches_its_torch_definition() -> None:
+    """`plait::rotary` on the kernel against its definition in torch operators (float64),
+    forward and backward, with cos and sin broadcast over batch and heads."""
+    from plait.fused.native import ops
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 6, 8, requires_grad=True)
+    cos, sin = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    lib = native.rotary_kernels(x, cos, sin)
+    assert lib is not None
+    assert native.rotary_kernels(x[..., :7], cos[..., :7], sin[..., :7]) is None  # odd width
+    ours = native.rotary(x, cos, sin, lib=lib)
+    ref_in = x.detach().double().requires_grad_()
+    ref = ops.rotary_reference(ref_in, cos.double(), sin.double())
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(ours, x, g.float())
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, g)
+    assert rel_err(ours, ref) <= FP32_RTOL
+    assert rel_err(grad, ref_grad) <= FP32_RTOL

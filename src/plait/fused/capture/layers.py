@@ -16,7 +16,8 @@ model trains exactly as the same layers fused by module would:
   per model -> one attention call over B*N batch entries, on the native attention kernel
   (`native.attention_heads`, dropout of the probabilities inside) where it applies;
 - dropout -> one draw, each model at the probability of its own layer;
-- GELU's tanh form -> the native kernel where it applies;
+- GELU's tanh form and the rotary embedding (`plait::rotary`) -> the native kernels where
+  they apply;
 - losses (cross-entropy, NLL, MSE, ...) with "mean" or "sum" reduction -> one loss per
   model, [B], as the model's own `ModelOutput.loss`.
 """
@@ -30,7 +31,8 @@ import torch
 from torch import nn
 
 from plait.fused import native
-from plait.fused.capture.rules import Call, Rewrite, Rule, named, product_sum
+from plait.fused.capture.rules import Call, Rewrite, Rule, named, pointwise, product_sum
+from plait.fused.native import ops as native_ops
 from plait.fused.ops.base import expand_models
 from plait.fused.ops.conv import conv
 from plait.fused.ops.dropout import dropout as model_dropout
@@ -368,6 +370,25 @@ def gelu_rule(call: Call) -> Rewrite:
     return Rewrite(named(impl, call.op, "fused"))
 
 
+# ------------------------------------------------------------------------------ rotary
+
+
+def rotary_rule(call: Call) -> Rewrite:
+    """`plait::rotary` (the rotary embedding `patterns.simplify` finds): the native kernel
+    when cos and sin are shared by all models (built from positions), else the operator's
+    torch definition on the aligned operands, as every pointwise operator."""
+    fallback = pointwise(call).impl
+    shared = not call.batched("cos") and not call.batched("sin")
+
+    def impl(**kw: Any) -> Any:
+        lib = native.rotary_kernels(kw["x"], kw["cos"], kw["sin"]) if shared else None
+        if lib is not None:
+            return native.rotary(kw["x"], kw["cos"], kw["sin"], lib=lib)
+        return fallback(**kw)
+
+    return Rewrite(named(impl, call.op, "fused"))
+
+
 # ----------------------------------------------------------------------------- dropout
 
 
@@ -497,7 +518,8 @@ LAYER_RULES: dict[Any, Rule] = {
     aten.convolution: convolution, aten.batch_norm: batch_norm_rule,
     aten.layer_norm: layer_norm_rule, aten.group_norm: group_norm_rule,
     aten.rms_norm: rms_norm, aten.prelu: prelu, aten.scaled_dot_product_attention: attention,
-    aten.dropout: dropout, aten.gelu: gelu_rule, aten.pad: pad, aten.constant_pad_nd: pad,
+    aten.dropout: dropout, aten.gelu: gelu_rule, native_ops.rotary: rotary_rule,
+    aten.pad: pad, aten.constant_pad_nd: pad,
     aten.cross_entropy_loss: class_loss, aten.nll_loss: class_loss,
     aten.nll_loss_nd: class_loss, aten.nll_loss2d: class_loss,
     aten.mse_loss: elementwise_loss, aten.l1_loss: elementwise_loss,

@@ -11,6 +11,11 @@ function (to float rounding: the kernel evaluates the same formula in one pass).
 - RMSNorm written out (transformers' `LlamaRMSNorm` and its copies: x * rsqrt(mean(x^2)
   + eps) * weight, with casts to and from float32): six to nine operators ->
   `aten.rms_norm`, whose fused rule runs one kernel each way.
+- Keys and values repeated per query head before attention (transformers' `repeat_kv`
+  for grouped-query attention: unsqueeze, expand, reshape, a copy each way) -> the
+  unrepeated ones with `enable_gqa`, which the attention kernels read in place.
+- The rotary position embedding written out (transformers' `apply_rotary_pos_emb`:
+  x * cos + cat(-x2, x1) * sin, seven operators) -> `plait::rotary`, one kernel each way.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 import torch
 from torch import fx
 from torch.fx import subgraph_rewriter
+
+from plait.fused.native import ops as native_ops
 
 aten = torch.ops.aten
 
@@ -134,9 +141,140 @@ def _fuse_rms_norms(module: fx.GraphModule) -> int:
     return count
 
 
+def _unrepeated(node: Any) -> tuple[fx.Node, int] | None:
+    """(kv, repeats) when `node` is kv [b, h, T, d] repeated per head: reshape(expand(
+    unsqueeze(kv, 2), [b, h, n, T, d]), [b, h * n, T, d])."""
+    if not isinstance(node, fx.Node) or node.target not in (aten.reshape.default,
+                                                            aten.view.default):  # fmt: skip
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.target is not aten.expand.default:
+        return None
+    unsqueeze = expand.args[0]
+    if not isinstance(unsqueeze, fx.Node) or unsqueeze.target is not aten.unsqueeze.default:
+        return None
+    kv = unsqueeze.args[0]
+    value = kv.meta.get("val") if isinstance(kv, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 4 or unsqueeze.args[1] != 2:
+        return None
+    b, h, t, d = value.shape
+    if not isinstance(expand.args[1], list | tuple) or not isinstance(node.args[1], list | tuple):
+        return None
+    sizes, shape = list(expand.args[1]), list(node.args[1])
+    if len(sizes) != 5 or sizes[:2] != [b, h] or sizes[3:] != [t, d]:
+        return None
+    n = sizes[2]
+    if not isinstance(n, int) or shape not in ([b, h * n, t, d], [b, -1, t, d]):
+        return None
+    assert isinstance(kv, fx.Node)
+    return kv, n
+
+
+def _grouped_query_attention(module: fx.GraphModule) -> int:
+    """Give attention its keys and values unrepeated, with `enable_gqa`; how many."""
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        key, value = (_unrepeated(a) for a in node.args[1:3])
+        if key is None or value is None or key[1] != value[1] or node.kwargs.get("enable_gqa"):
+            continue
+        repeated = node.args[1:3]
+        node.args = (node.args[0], key[0], value[0], *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        for head in repeated:  # reshape <- expand <- unsqueeze, where nothing else reads them
+            chain = head
+            while isinstance(chain, fx.Node) and not chain.users and chain.op == "call_function":
+                before = chain.args[0]
+                module.graph.erase_node(chain)
+                chain = before
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _halves(cat: Any) -> tuple[fx.Node, int] | None:
+    """(x, half) when `cat` is cat([-x[..., half:], x[..., :half]], -1): rotate_half(x)."""
+    if not isinstance(cat, fx.Node) or cat.target is not aten.cat.default:
+        return None
+    parts = cat.args[0]
+    if not isinstance(parts, list | tuple) or len(parts) != 2:
+        return None
+    neg, low = parts
+    if not isinstance(neg, fx.Node) or neg.target is not aten.neg.default:
+        return None
+    high = neg.args[0]
+    if not all(isinstance(n, fx.Node) and n.target is aten.slice.Tensor for n in (high, low)):
+        return None
+    assert isinstance(high, fx.Node) and isinstance(low, fx.Node)
+    x = high.args[0]
+    value = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if low.args[0] is not x or not isinstance(value, torch.Tensor) or value.shape[-1] % 2:
+        return None
+    half, last = value.shape[-1] // 2, value.dim() - 1
+    dim = cat.args[1] if len(cat.args) > 1 else 0
+    if dim not in (-1, last) or any(n.args[1] not in (-1, last) for n in (high, low)):
+        return None
+    if list(low.args[2:4]) != [0, half] or high.args[2] != half:
+        return None
+    if any(len(n.args) > 4 and n.args[4] != 1 for n in (high, low)):  # a step
+        return None
+    assert isinstance(x, fx.Node)
+    return x, half
+
+
+def _rotary_chain(add: fx.Node) -> tuple[fx.Node, Any, Any] | None:
+    """(x, cos, sin) when `add` is x * cos + rotate_half(x) * sin."""
+    if add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+        return None
+    for straight, turned in (add.args, add.args[::-1]):
+        if not (isinstance(straight, fx.Node) and straight.target is aten.mul.Tensor):
+            continue
+        if not (isinstance(turned, fx.Node) and turned.target is aten.mul.Tensor):
+            continue
+        for cat, sin in (turned.args, turned.args[::-1]):
+            found = _halves(cat)
+            if found is None or not isinstance(sin, fx.Node):
+                continue
+            x, _ = found
+            cos = _other(straight, x)
+            if isinstance(cos, fx.Node) and cos is not x:
+                return x, cos, sin
+    return None
+
+
+def _fuse_rotary(module: fx.GraphModule) -> int:
+    """Replace each written-out rotary embedding of `module` by `plait::rotary`."""
+    graph = module.graph
+    count = 0
+    for add in list(graph.nodes):
+        found = _rotary_chain(add)
+        if found is None:
+            continue
+        x, cos, sin = found
+        with graph.inserting_before(add):
+            fused = graph.call_function(native_ops.rotary, (x, cos, sin))
+        fused.meta = dict(add.meta)
+        add.replace_all_uses_with(fused)
+        dead = [add]
+        while dead:  # the products, the cat, the negation and the slices
+            node = dead.pop()
+            if node.users or node.op != "call_function":
+                continue
+            inputs = node.all_input_nodes
+            graph.erase_node(node)
+            dead.extend(n for n in inputs if n not in (x, cos, sin))
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
 def simplify(module: fx.GraphModule) -> int:
     """Replace every known operator chain of `module`'s graph in place; how many."""
     count = 0
     for pattern, replacement in PATTERNS:
         count += len(subgraph_rewriter.replace_pattern(module, pattern, replacement))
-    return count + _fuse_rms_norms(module)
+    count += _fuse_rms_norms(module) + _fuse_rotary(module)
+    return count + _grouped_query_attention(module)

@@ -31,6 +31,8 @@ from plait.fused.native.functions import (
     layer_norm,
     layer_norm_kernels,
     packed_attention,
+    rotary,
+    rotary_kernels,
 )
 
 __all__ = [
@@ -47,6 +49,8 @@ __all__ = [
     "layer_norm",
     "layer_norm_kernels",
     "packed_attention",
+    "rotary",
+    "rotary_kernels",
     "set_enabled",
     "unavailable_reason",
 ]

@@ -69,6 +69,8 @@ _SIGNATURES = {
     "adam_step": [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _F32, _F32, _F32, _F32, _INT],
     "dropout_apply": [_P, _P, _I64, _I64, _P, ctypes.c_uint64, _INT],
     "gelu_tanh_forward": [_P, _P, _I64, _INT],
+    "rotary_forward": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
+    "rotary_backward": [_P, _P, _P, _P, _I64, _I64, _I64, _INT],
     "gelu_tanh_backward": [_P, _P, _P, _I64, _INT],
     "attention_heads_forward": [
         *[_P] * 7,

@@ -652,3 +652,37 @@ void gelu_tanh_backward(const float *restrict g, const float *restrict x, float 
         }
     }
 }
+
+/* Rotary position embedding (rotate-half form, as Llama applies it): out = x * cos +
+ * rotate_half(x) * sin over rows of `width` (even), rotate_half(x) = [-x2, x1] for x's
+ * halves x1, x2; x [outer, seq, width], cos and sin [seq, width] shared by every outer
+ * row. torch runs it as seven operators forward (two slices, a negation, a cat, two
+ * products, a sum) and more backward; here one pass each way. */
+void rotary_forward(const float *restrict x, const float *restrict cs, const float *restrict sn,
+                    float *restrict out, i64 outer, i64 seq, i64 width, int threads) {
+    const i64 half = width / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 r = 0; r < outer * seq; r++) {
+        const float *xr = x + r * width, *c = cs + (r % seq) * width, *s = sn + (r % seq) * width;
+        float *o = out + r * width;
+#pragma omp simd
+        for (i64 i = 0; i < half; i++) o[i] = xr[i] * c[i] - xr[i + half] * s[i];
+#pragma omp simd
+        for (i64 i = half; i < width; i++) o[i] = xr[i] * c[i] + xr[i - half] * s[i];
+    }
+}
+
+/* dx_j = g_j cos_j + g_{j+h} sin_{j+h} (j < h), g_j cos_j - g_{j-h} sin_{j-h} (j >= h). */
+void rotary_backward(const float *restrict g, const float *restrict cs, const float *restrict sn,
+                     float *restrict dx, i64 outer, i64 seq, i64 width, int threads) {
+    const i64 half = width / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 r = 0; r < outer * seq; r++) {
+        const float *gr = g + r * width, *c = cs + (r % seq) * width, *s = sn + (r % seq) * width;
+        float *d = dx + r * width;
+#pragma omp simd
+        for (i64 i = 0; i < half; i++) d[i] = gr[i] * c[i] + gr[i + half] * s[i + half];
+#pragma omp simd
+        for (i64 i = half; i < width; i++) d[i] = gr[i] * c[i] - gr[i - half] * s[i - half];
+    }
+}

@@ -46,6 +46,9 @@ _SCHEMAS = {
     "float bc2_sqrt) -> ()",
     "dropout": "(Tensor x, Tensor p, int seed) -> Tensor",
     "gelu_tanh": "(Tensor x) -> Tensor",
+    "rotary": "(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    "rotary_kernel": "(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    "rotary_kernel_backward": "(Tensor grad, Tensor cos, Tensor sin) -> Tensor",
     "gelu_tanh_backward": "(Tensor grad, Tensor x) -> Tensor",
     "attention_heads": "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, Tensor? p, "
     "int seed, float scale) -> (Tensor, Tensor)",
@@ -389,6 +392,43 @@ def _gelu_tanh_backward_fake(grad: Tensor, x: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
+# --------------------------------------------------------------------------------- rotary
+def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`plait::rotary`: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] for the
+    halves of x's last dim (the rotary position embedding as Llama applies it). The
+    operator's own definition, in torch operators, so it runs and differentiates anywhere;
+    `plait.fused.capture.patterns` puts it where a model writes this out, and a fused
+    array runs it on the native kernel where that applies."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rotary_kernel(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary embedding of contiguous x [..., T, d] with contiguous cos and sin [T, d]."""
+    out = torch.empty_like(x)
+    t, d = cos.shape
+    _library().rotary_forward(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                              x.numel() // (t * d), t, d, torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def _rotary_kernel_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    dx = torch.empty_like(grad)
+    t, d = cos.shape
+    _library().rotary_backward(grad.data_ptr(), cos.data_ptr(), sin.data_ptr(), dx.data_ptr(),
+                               grad.numel() // (t * d), t, d, torch.get_num_threads())  # fmt: skip
+    return dx
+
+
+def _rotary_fake(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _rotary_backward_fake(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return torch.empty_like(grad)
+
+
 @functools.lru_cache(maxsize=256)
 def _sizes_and_offsets(sizes: tuple[int, ...]) -> tuple[ctypes.Array[ctypes.c_int64], ...]:
     """Per-model parameter sizes and their column offsets in the flat state, as C arrays
@@ -404,6 +444,9 @@ _register("layer_norm_backward", _layer_norm_backward, _layer_norm_backward_fake
 _register("adam_step", _adam_step, _adam_step_fake)
 _register("dropout", _dropout, _dropout_fake)
 _register("gelu_tanh", _gelu_tanh, _gelu_tanh_fake)
+_register("rotary_kernel", _rotary_kernel, _rotary_fake)
+_register("rotary_kernel_backward", _rotary_kernel_backward, _rotary_backward_fake)
+_LIB.impl("rotary", rotary_reference, "CompositeImplicitAutograd")
 _register("gelu_tanh_backward", _gelu_tanh_backward, _gelu_tanh_backward_fake)
 _register("attention_heads", _attention_heads, _attention_heads_fake)
 _register("attention_heads_backward", _attention_heads_backward, _attention_heads_backward_fake)
@@ -415,6 +458,9 @@ layer_norm_backward = torch.ops.plait.layer_norm_backward.default
 adam_step = torch.ops.plait.adam_step.default
 dropout = torch.ops.plait.dropout.default
 gelu_tanh = torch.ops.plait.gelu_tanh.default
+rotary = torch.ops.plait.rotary.default
+rotary_kernel = torch.ops.plait.rotary_kernel.default
+rotary_kernel_backward = torch.ops.plait.rotary_kernel_backward.default
 gelu_tanh_backward = torch.ops.plait.gelu_tanh_backward.default
 attention_heads = torch.ops.plait.attention_heads.default
 attention_heads_backward = torch.ops.plait.attention_heads_backward.default
@@ -428,6 +474,8 @@ direct = SimpleNamespace(
     adam_step=_adam_step,
     dropout=_dropout,
     gelu_tanh=_gelu_tanh,
+    rotary_kernel=_rotary_kernel,
+    rotary_kernel_backward=_rotary_kernel_backward,
     gelu_tanh_backward=_gelu_tanh_backward,
     attention_heads=_attention_heads,
     attention_heads_backward=_attention_heads_backward,
