@@ -66,13 +66,16 @@ bench-fused: install
 
 # The Hugging Face configs of examples/transformers_workloads.py as fused arrays (captured
 # with torch.export) against plait's vmap fallback, the members one after another and
-# torch.func's stack_module_state + vmap, at N = 4, 16, 32; three invocations (the medians
-# of RESULTS.md are over them), then each member's fidelity to a stock model at N = 16.
+# torch.func's stack_module_state + vmap, at N = 4, 16, 32, on one thread and two (each
+# strategy then also at its fastest count, the whole machine, as bench-fused); three
+# invocations (the medians of RESULTS.md are over them), then each member's fidelity to a
+# stock model at N = 16. About 13 minutes.
 HF := examples/transformers_workloads.py
 HF_MODELS := $(HF):gpt2,$(HF):bert,$(HF):llama,$(HF):resnet18
 bench-fused-hf: install
 	for i in 1 2 3; do $(BIN)/plait bench-fused --workload $(HF_MODELS) --n 4,16,32 --rounds 5 \
-		--strategies fused,fallback,serial,vmap --out benchmarks/hfta/hf-models-$$i; done
+		--threads 1,2 --strategies fused,fallback,serial,vmap \
+		--out benchmarks/hfta/hf-models-$$i; done
 	$(BIN)/plait bench-fused --fidelity 10 --workload $(HF_MODELS) --n 16 \
 		--out benchmarks/hfta/hf-fidelity
 

@@ -37,6 +37,7 @@ from plait.fused.errors import UnsupportedLayerError
 from plait.fused.rules import any_batched
 
 _TABLE = {**RULES, **LAYER_RULES}
+aten = torch.ops.aten
 
 
 class SlotKind(StrEnum):
@@ -254,9 +255,6 @@ def rewrite(
         out_batched=tuple(out_flags[len(mutated) :]),
         settings=tuple(settings),
     )
-
-
-aten = torch.ops.aten
 
 
 def _fold_literals(graph: fx.Graph) -> dict[fx.Node, torch.Tensor]:
