@@ -189,6 +189,25 @@ def test_commands_of_each_mode() -> None:
         assert "--restart" not in args  # it would delete a sibling process's trials
 
 
+def test_a_factory_file_is_named_so_that_a_run_folder_finds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run's processes start in their own folder: a relative factory file is passed
+    by its absolute path, and the starting folder joins their import path (for a module
+    there); a registry name or a module spec passes as it is."""
+    monkeypatch.chdir(tmp_path)
+    out = Path("/tmp/o")
+    for workload, expected in (
+        ("models/mine.py:make", f"{tmp_path}/models/mine.py:make"),
+        ("mywork:make", "mywork:make"),
+        ("digits-cnn", "digits-cnn"),
+    ):
+        cfg = RaceConfig(trials=2, epochs=1, workload=workload)
+        args = sweep_command(cfg, F, storage="sqlite:///s.db", study="st", out=out)
+        assert args[args.index("--workload") + 1] == expected
+    assert sweep_race._environment()["PYTHONPATH"].split(":")[0] == str(tmp_path)
+
+
 @pytest.mark.parametrize(
     ("argv", "bad"),
     [

@@ -50,3 +50,27 @@ def test_step_memory_grows_with_the_array() -> None:
     small, large = measure(2), measure(8)
     assert small > 0
     assert 3.0 < large / small < 5.0  # about linear in the number of models
+
+
+def test_step_memory_of_a_captured_array_measured_at_its_first_step() -> None:
+    """The first call of a captured array exports the model inside the measured step;
+    export's fake tensors pass the saved-tensor hooks too and hold no memory."""
+    from plait.fused.capture import CapturedArray, clear_cache
+
+    class Gated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * torch.sigmoid(x)
+
+    clear_cache()
+    array = CapturedArray([Gated() for _ in range(2)])
+    x = torch.randn(2, 4, 8)
+
+    def step() -> None:
+        array(x).sum().backward()
+
+    params = list(array.parameters())
+    assert step_memory(step, params=params, state=list) > 0

@@ -379,6 +379,15 @@ def summarize(runs: Sequence[RunResult], *, tolerance: float) -> RaceSummary:
     )
 
 
+def _from_anywhere(workload: str) -> str:
+    """`workload` as a sweep process started in its run's own folder finds it: a factory
+    file (``path/file.py:factory``) by its absolute path."""
+    target, sep, attr = workload.rpartition(":")
+    if sep and target.endswith(".py"):
+        return f"{Path(target).resolve()}:{attr}"
+    return workload
+
+
 def sweep_command(cfg: RaceConfig, mode: Mode, *, storage: str, study: str, out: Path) -> list[str]:
     """The command line of one of `mode`'s ``plait sweep`` processes.
 
@@ -392,7 +401,7 @@ def sweep_command(cfg: RaceConfig, mode: Mode, *, storage: str, study: str, out:
         "plait",
         "sweep",
         "--workload",
-        cfg.workload,
+        _from_anywhere(cfg.workload),
         "--space",
         SPACE_TARGET,
         "--optimizer",
@@ -417,6 +426,14 @@ def sweep_command(cfg: RaceConfig, mode: Mode, *, storage: str, study: str, out:
         str(out),
         "--no-progress",
     ]
+
+
+def _environment() -> dict[str, str]:
+    """The sweep processes' environment: this one, with the folder the race was started
+    in on the import path, so a workload module there (``mywork:make``) imports from the
+    run's own folder too."""
+    path = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def create_study(storage: str, study: str) -> None:
@@ -568,6 +585,7 @@ def run_mode(cfg: RaceConfig, mode: Mode, repeat: int) -> RunResult:
                         stdout=handle,
                         stderr=subprocess.STDOUT,
                         cwd=root,
+                        env=_environment(),
                     )
                 )
             _wait_all(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def largest_fitting(fits: Callable[[int], bool], *, limit: int) -> int:
@@ -84,7 +85,10 @@ def step_memory(
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
+        # a captured array's first step exports the model, whose tracing saves fake
+        # tensors (shapes without memory) through these hooks too
+        if not isinstance(t, FakeTensor):
+            saved.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
