@@ -631,6 +631,13 @@ def _add_bench_fused_parser(sub: Any) -> None:
         "kernels (plait.fused.native)",
     )
     f.add_argument(
+        "--conv-layout",
+        default="nchw",
+        choices=["nchw", "channels_last"],
+        help="layout of the fused arrays' 2-d convolutions (default nchw, the accurate "
+        "one; channels_last is faster on a CPU, see plait.fused.set_conv_layout)",
+    )
+    f.add_argument(
         "--fidelity",
         type=int,
         default=None,
@@ -1014,11 +1021,16 @@ def cmd_bench_fused(args: argparse.Namespace) -> int:
 
     if args.fidelity is not None:
         from plait.bench.fused import fidelity
+        from plait.fused.ops.conv import set_conv_layout
 
         models = [m.strip() for m in args.models.split(",") if m.strip()]
-        results = fidelity.run_fidelity(
-            models, sizes=args.n, steps=args.fidelity, batch=args.batch_size
-        )
+        layout = set_conv_layout(args.conv_layout)
+        try:
+            results = fidelity.run_fidelity(
+                models, sizes=args.n, steps=args.fidelity, batch=args.batch_size
+            )
+        finally:
+            set_conv_layout(layout)
         print(fidelity.markdown(results))
         if args.out:
             written = fidelity.write_reports(results, Path(args.out))
@@ -1037,6 +1049,7 @@ def cmd_bench_fused(args: argparse.Namespace) -> int:
         tune_malloc=not args.default_malloc,
         stock_adam=StockAdam(args.stock_adam),
         native_kernels=not args.no_native,
+        conv_layout=args.conv_layout,
     )
     records = run_bench_fused(cfg)
     print(markdown_table(records))

@@ -86,6 +86,7 @@ class FusedRecord(Record):
     malloc_tuned: bool
     stock_adam: str | None = None
     native_kernels: bool | None = None
+    conv_layout: str | None = None  # fused 2-d convolutions: "nchw" or "channels_last"
 
 
 @dataclass(kw_only=True)

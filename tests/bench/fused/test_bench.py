@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.bench.fused import ArrayStrategy, BenchConfig, StockAdam, run_bench_fused
+from plait.bench.fused import ArrayStrategy, BenchConfig, StockAdam, run_bench_fused, runner
 from plait.bench.fused.report import write_reports
 
 
@@ -100,6 +100,30 @@ def test_bad_configuration() -> None:
         BenchConfig(sizes=(0,))
     with pytest.raises(ValueError, match="thread counts must be >= 1"):
         BenchConfig(threads=(1, 0))
+    with pytest.raises(ValueError, match="conv layout 'nhwc'"):
+        BenchConfig(conv_layout="nhwc")
+
+
+def test_conv_layout_applies_during_the_run_and_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused arrays' convolutions take the layout asked for while the benchmark runs,
+    the records name it, and the layout before is restored."""
+    from plait.fused.ops import conv
+
+    seen: list[str] = []
+    measure = runner._measure
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(conv._layout["conv2d"])
+        return measure(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "_measure", spy)
+    cfg = BenchConfig(models=("mlp",), sizes=(2,), strategies=(ArrayStrategy.FUSED,),
+                      steps=1, rounds=1, warmup=0, conv_layout="channels_last")  # fmt: skip
+    (record,) = run_bench_fused(cfg)
+    assert seen == ["channels_last"] and record.conv_layout == "channels_last"
+    assert conv._layout["conv2d"] == "nchw"
 
 
 def test_malloc_tuning_reports_whether_it_applied() -> None:

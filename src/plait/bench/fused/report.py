@@ -163,7 +163,8 @@ def _footer(records: Sequence[FusedRecord]) -> str:
         f"intra-op threads per process as in the tables, glibc malloc thresholds "
         f"{'raised' if first.malloc_tuned else 'default'}, stock Adam "
         f"{first.stock_adam or 'for-loop'}, plait's native kernels "
-        f"{'on' if first.native_kernels else 'off'}\n"
+        f"{'on' if first.native_kernels else 'off'}, fused convolutions "
+        f"{first.conv_layout or 'nchw'}\n"
     )
 
 

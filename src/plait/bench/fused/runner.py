@@ -34,6 +34,7 @@ from plait.bench.fused.strategies import ArrayStrategy, Runner, StockAdam, make_
 from plait.bench.records import FusedRecord
 from plait.fused import native
 from plait.fused.malloc import tune_malloc
+from plait.fused.ops.conv import CONV_LAYOUTS, set_conv_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,9 @@ class BenchConfig:
             (see `plait.fused.malloc`).
         stock_adam: the implementation of `torch.optim.Adam` the serial, concurrent and
             vmap strategies use (see `StockAdam`).
+        conv_layout: the layout of the fused arrays' 2-d convolutions
+            (`plait.fused.set_conv_layout`: "nchw", the accurate default, or
+            "channels_last", faster on a CPU).
         native_kernels: let fused arrays use plait's native CPU kernels
             (`plait.fused.native`); off, they run on torch's kernels only, which shows
             how much of the fused strategy's lead those kernels make.
@@ -73,12 +77,15 @@ class BenchConfig:
     tune_malloc: bool = True
     stock_adam: StockAdam = StockAdam.FUSED
     native_kernels: bool = True
+    conv_layout: str = "nchw"
 
     def __post_init__(self) -> None:
         for m in self.models:
             get_model(m)
         if min(self.sizes, default=0) < 1 or self.steps < 1 or self.rounds < 1:
             raise ValueError("sizes, steps and rounds must be >= 1")
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise ValueError(f"conv layout {self.conv_layout!r}: expected one of {CONV_LAYOUTS}")
         if not self.threads or min(self.threads) < 1:
             raise ValueError(f"thread counts must be >= 1, got {tuple(self.threads)}")
 
@@ -90,6 +97,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[FusedRecord]:
     serial strategy at its own fastest count."""
     before = torch.get_num_threads()
     native_before = native.set_enabled(cfg.native_kernels)
+    layout_before = set_conv_layout(cfg.conv_layout)
     uses_native = cfg.native_kernels and cfg.device == "cpu" and native.unavailable_reason() is None
     tuned = cfg.tune_malloc and tune_malloc()
     records: list[FusedRecord] = []
@@ -122,6 +130,7 @@ def run_bench_fused(cfg: BenchConfig) -> list[FusedRecord]:
     finally:
         torch.set_num_threads(before)
         native.set_enabled(native_before)
+        set_conv_layout(layout_before)
     return records
 
 
@@ -195,6 +204,7 @@ def fused_records(
                 malloc_tuned=malloc_tuned,
                 stock_adam=cfg.stock_adam.value,
                 native_kernels=native_kernels,
+                conv_layout=cfg.conv_layout,
             )
         )
     return out
