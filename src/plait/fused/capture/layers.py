@@ -295,14 +295,15 @@ def attention(call: Call) -> Rewrite:
 def _native_attend(**kw: Any) -> torch.Tensor | None:
     """The attention on plait's native kernel, or None where it does not apply.
 
-    At sweep sizes (heads of 8-16, sequences of 32-64) torch's attention is a chain of
-    [B*N, heads, T, T] tensors, each one pass over memory: scores, mask, softmax, its
-    fully-masked-row check, dropout, product. The kernel keeps one (sequence, head) block
-    in registers through all of it: 2.3x less time per step for the attention of a fused
-    GPT-2 of 16 models (measured). A boolean mask becomes an additive one of 0 and -inf.
+    At sweep sizes (heads of 8-16, sequences of 32-64) torch's attention with dropout is
+    its math path, a chain of [B*N, heads, T, T] tensors, each one pass over memory:
+    scores, mask, softmax, its fully-masked-row check, dropout, product. The kernel keeps
+    one (sequence, head) block in registers through all of it: the forward of a causal
+    [128, 2, 32, 16] attention with dropout 0.1 takes 1.2 ms against torch's 5.2-7.6 ms on
+    one core (measured). A boolean mask becomes an additive one of 0 and -inf.
     """
     q, k, v, mask = kw["query"], kw["key"], kw["value"], kw["attn_mask"]
-    if k.shape[-3] != q.shape[-3] and not kw["enable_gqa"]:
+    if q.device.type != "cpu" or (k.shape[-3] != q.shape[-3] and not kw["enable_gqa"]):
         return None
     if mask is not None:
         if mask.dim() != 4:

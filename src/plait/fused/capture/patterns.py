@@ -108,34 +108,39 @@ def _rms_norm_chain(mean: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node] | 
     return x, weight, eps, scale
 
 
+def _replace(graph: fx.Graph, last: fx.Node, target: Any, args: tuple[Any, ...]) -> None:
+    """Put ``target(*args)`` where chain end `last` was, and erase what only fed `last`
+    (metadata assertions reading it included), back to `args`."""
+    with graph.inserting_before(last):
+        fused = graph.call_function(target, args)
+    fused.meta = dict(last.meta)
+    last.replace_all_uses_with(fused)
+    keep = {a for a in args if isinstance(a, fx.Node)}
+    dead, erased = [last], set()
+    while dead:
+        node = dead.pop()
+        users = list(node.users)
+        if node in keep or node in erased or node.op != "call_function":
+            continue
+        if any(u.target is not aten._assert_tensor_metadata.default for u in users):
+            continue  # something else reads it
+        for u in users:
+            graph.erase_node(u)
+        dead.extend(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+
+
 def _fuse_rms_norms(module: fx.GraphModule) -> int:
     """Replace each written-out RMSNorm of `module` by `aten.rms_norm`; how many."""
-    graph = module.graph
     count = 0
-    for mean in list(graph.nodes):
+    for mean in list(module.graph.nodes):
         found = _rms_norm_chain(mean)
-        if found is None:
-            continue
-        x, weight, eps, last = found
-        with graph.inserting_before(last):
-            fused = graph.call_function(
-                aten.rms_norm.default, (x, [x.meta["val"].shape[-1]], weight, eps)
-            )
-        fused.meta = dict(last.meta)
-        last.replace_all_uses_with(fused)
-        dead = [last]
-        while dead:  # the chain back to `mean`, and assertions left reading it
-            node = dead.pop()
-            users = list(node.users)
-            if any(u.target is not aten._assert_tensor_metadata.default for u in users):
-                continue
-            for u in users:
-                graph.erase_node(u)
-            inputs = node.all_input_nodes
-            graph.erase_node(node)
-            kept = (x, weight)
-            dead.extend(n for n in inputs if n not in kept and n.op != "placeholder")
-        count += 1
+        if found is not None:
+            x, weight, eps, last = found
+            args = (x, [x.meta["val"].shape[-1]], weight, eps)
+            _replace(module.graph, last, aten.rms_norm.default, args)
+            count += 1
     if count:
         module.recompile()
     return count
@@ -246,26 +251,12 @@ def _rotary_chain(add: fx.Node) -> tuple[fx.Node, Any, Any] | None:
 
 def _fuse_rotary(module: fx.GraphModule) -> int:
     """Replace each written-out rotary embedding of `module` by `plait::rotary`."""
-    graph = module.graph
     count = 0
-    for add in list(graph.nodes):
+    for add in list(module.graph.nodes):
         found = _rotary_chain(add)
-        if found is None:
-            continue
-        x, cos, sin = found
-        with graph.inserting_before(add):
-            fused = graph.call_function(native_ops.rotary, (x, cos, sin))
-        fused.meta = dict(add.meta)
-        add.replace_all_uses_with(fused)
-        dead = [add]
-        while dead:  # the products, the cat, the negation and the slices
-            node = dead.pop()
-            if node.users or node.op != "call_function":
-                continue
-            inputs = node.all_input_nodes
-            graph.erase_node(node)
-            dead.extend(n for n in inputs if n not in (x, cos, sin))
-        count += 1
+        if found is not None:
+            _replace(module.graph, add, native_ops.rotary, found)
+            count += 1
     if count:
         module.recompile()
     return count

@@ -1,4 +1,5 @@
-"""Native CPU kernels for fused arrays: narrow attention and layer norm, and Adam's step.
+"""Native CPU kernels for fused arrays: narrow attention, layer norm and RMSNorm, the
+rotary embedding, GELU's tanh form, dropout, and Adam's step.
 
 A fused array of sweep-sized Transformers hands torch thousands of tiny problems per
 call: 16 models x 32 sequences x 2 heads of 16 x 16 attention blocks, or rows of 16 to
@@ -6,7 +7,10 @@ normalise. torch's CPU kernels pay a fixed cost per block or row there (batched 
 about 100 ns per block, layer norm about 25 ns per row, measured), which fusing cannot
 amortise. These kernels hold one problem in registers and vectorise across it; the
 fused layers call them when they apply and keep their torch path otherwise
-(`PLAIT_NATIVE=0` or `set_enabled(False)` forces the torch path everywhere).
+(`PLAIT_NATIVE=0` or `set_enabled(False)` forces the torch path everywhere). Captured
+models (`plait.fused.capture`) reach them too: their attention (`attention_heads`:
+strided q, k, v, causal or masked, grouped-query, dropout inside), layer norm and RMSNorm,
+rotary embedding and GELU run here.
 
 `FusedAdam` uses the Adam kernel for the common sweep case (per-model learning rates,
 everything else shared): it reads each gradient where autograd left it and updates each

@@ -150,6 +150,24 @@ static inline void transposed_product(const float *restrict rows, i64 stride,
 #define ROWS_PRODUCT(out, stride, coef, term, outer, row) \
     ROWS_SUM(out, stride, 0, coef, term, outer, row)
 
+/* Softmax's backward in place, for a block held transposed: dst[j][i] = dP[i][j] becomes
+ * dS[i][j] = P[i][j] (dP[i][j] - sum_j' P[i][j'] dP[i][j']) * scale, P read key-major
+ * from pt (pt[j * SEQ + i] = P[i][j]). */
+static inline void softmax_backward(const float *restrict pt, float dst[restrict SEQ][SEQ],
+                                    float scale) {
+    float dot[SEQ];
+#pragma omp simd
+    for (i64 i = 0; i < SEQ; i++) dot[i] = 0.0f;
+    for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) dot[i] += pt[j * SEQ + i] * dst[j][i];
+    }
+    for (i64 j = 0; j < SEQ; j++) {
+#pragma omp simd
+        for (i64 i = 0; i < SEQ; i++) dst[j][i] = pt[j * SEQ + i] * (dst[j][i] - dot[i]) * scale;
+    }
+}
+
 /* Self-attention over a packed projection: qkv [nb, SEQ, 3E] holds q, k and v in turn, each
  * `heads` heads of HEAD; out [nb, SEQ, E] gets the heads side by side; probs [nb, heads,
  * SEQ, SEQ] keeps the probabilities for the backward, transposed (key-major). `mask` is an
@@ -222,20 +240,10 @@ void attention_backward(const float *restrict qkv, const float *restrict probs,
         const float *pt = probs + blk * SEQ * SEQ;
         const float *g = grad + b * SEQ * e + h * HEAD;
         float *dq = dqkv + b * SEQ * rs + h * HEAD, *dk = dq + e, *dv = dq + 2 * e;
-        float gt[HEAD][SEQ], dst[SEQ][SEQ], dot[SEQ];
+        float gt[HEAD][SEQ], dst[SEQ][SEQ];
         load_transposed(g, e, gt);
         transposed_product(v, rs, gt, dst); /* dst[j][i] = dP[i][j] = V[j] . G[i] */
-#pragma omp simd
-        for (i64 i = 0; i < SEQ; i++) dot[i] = 0.0f;
-        for (i64 j = 0; j < SEQ; j++) {
-#pragma omp simd
-            for (i64 i = 0; i < SEQ; i++) dot[i] += pt[j * SEQ + i] * dst[j][i];
-        }
-        for (i64 j = 0; j < SEQ; j++) {
-#pragma omp simd
-            for (i64 i = 0; i < SEQ; i++)
-                dst[j][i] = pt[j * SEQ + i] * (dst[j][i] - dot[i]) * scale;
-        }
+        softmax_backward(pt, dst, scale);
         /* dQ[i] = sum_j dS[i][j] K[j], dK[j] = sum_i dS[i][j] Q[i], dV[j] = sum_i P[i][j] G[i]:
            each a row of K, Q or G per step into SEQ independent rows, read from the
            transposed dS and P by scalar broadcasts, so nothing is transposed back. */
@@ -546,7 +554,7 @@ void attention_heads_backward(const float *restrict qp, const float *restrict kp
         const float *v = vp + b * strides[VS0] + kh * strides[VS1];
         const i64 ks = strides[KS2], vs = strides[VS2], qs = strides[QS2];
         const i64 dqs = strides[DQS2], dks = strides[DKS2], dvs = strides[DVS2];
-        float gt[HEAD][SEQ], dst[SEQ][SEQ], yt[SEQ][SEQ], dot[SEQ];
+        float gt[HEAD][SEQ], dst[SEQ][SEQ], yt[SEQ][SEQ];
         float *dk = dkp + b * strides[DKS0] + kh * strides[DKS1];
         float *dv = dvp + b * strides[DVS0] + kh * strides[DVS1];
         float threshold_keep = 0.0f;
@@ -580,17 +588,7 @@ void attention_heads_backward(const float *restrict qp, const float *restrict kp
                     for (i64 i = 0; i < SEQ; i++) yt[j][i] = pt[j * SEQ + i];
                 }
             }
-#pragma omp simd
-            for (i64 i = 0; i < SEQ; i++) dot[i] = 0.0f;
-            for (i64 j = 0; j < SEQ; j++) {
-#pragma omp simd
-                for (i64 i = 0; i < SEQ; i++) dot[i] += pt[j * SEQ + i] * dst[j][i];
-            }
-            for (i64 j = 0; j < SEQ; j++) {
-#pragma omp simd
-                for (i64 i = 0; i < SEQ; i++)
-                    dst[j][i] = pt[j * SEQ + i] * (dst[j][i] - dot[i]) * scale;
-            }
+            softmax_backward(pt, dst, scale);
             float *dq = dqp + b * strides[DQS0] + h * strides[DQS1];
             /* dQ[i] = sum_j dS[i][j] K[j]; dK[j] += sum_i dS[i][j] Q[i]; dV[j] += sum_i Y[i][j] G[i] */
             ROWS_PRODUCT(dq, dqs, dst[j][i], k[j * ks + c], j, i)

@@ -46,10 +46,10 @@ _SCHEMAS = {
     "float bc2_sqrt) -> ()",
     "dropout": "(Tensor x, Tensor p, int seed) -> Tensor",
     "gelu_tanh": "(Tensor x) -> Tensor",
+    "gelu_tanh_backward": "(Tensor grad, Tensor x) -> Tensor",
     "rotary": "(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "rotary_kernel": "(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     "rotary_kernel_backward": "(Tensor grad, Tensor cos, Tensor sin) -> Tensor",
-    "gelu_tanh_backward": "(Tensor grad, Tensor x) -> Tensor",
     "attention_heads": "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, Tensor? p, "
     "int seed, float scale) -> (Tensor, Tensor)",
     "attention_heads_backward": "(Tensor q, Tensor k, Tensor v, Tensor probs, Tensor grad, "
