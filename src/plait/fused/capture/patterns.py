@@ -20,6 +20,7 @@ function (to float rounding: the kernel evaluates the same formula in one pass).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -108,19 +109,16 @@ def _rms_norm_chain(mean: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node] | 
     return x, weight, eps, scale
 
 
-def _replace(graph: fx.Graph, last: fx.Node, target: Any, args: tuple[Any, ...]) -> None:
-    """Put ``target(*args)`` where chain end `last` was, and erase what only fed `last`
-    (metadata assertions reading it included), back to `args`."""
-    with graph.inserting_before(last):
-        fused = graph.call_function(target, args)
-    fused.meta = dict(last.meta)
-    last.replace_all_uses_with(fused)
-    keep = {a for a in args if isinstance(a, fx.Node)}
-    dead, erased = [last], set()
+def _erase_unused(graph: fx.Graph, ends: Iterable[Any], keep: Iterable[Any] = ()) -> None:
+    """Erase the operators that only fed `ends` once nothing else reads them (metadata
+    assertions on them included), back to the graph's inputs or the nodes in `keep`."""
+    kept = {a for a in keep if isinstance(a, fx.Node)}
+    dead = [n for n in ends if isinstance(n, fx.Node)]
+    erased: set[fx.Node] = set()
     while dead:
         node = dead.pop()
         users = list(node.users)
-        if node in keep or node in erased or node.op != "call_function":
+        if node in kept or node in erased or node.op != "call_function":
             continue
         if any(u.target is not aten._assert_tensor_metadata.default for u in users):
             continue  # something else reads it
@@ -129,6 +127,16 @@ def _replace(graph: fx.Graph, last: fx.Node, target: Any, args: tuple[Any, ...])
         dead.extend(node.all_input_nodes)
         graph.erase_node(node)
         erased.add(node)
+
+
+def _replace(graph: fx.Graph, last: fx.Node, target: Any, args: tuple[Any, ...]) -> None:
+    """Put ``target(*args)`` where chain end `last` was, and erase what only fed `last`,
+    back to `args`."""
+    with graph.inserting_before(last):
+        fused = graph.call_function(target, args)
+    fused.meta = dict(last.meta)
+    last.replace_all_uses_with(fused)
+    _erase_unused(graph, [last], keep=args)
 
 
 def _fuse_rms_norms(module: fx.GraphModule) -> int:
@@ -187,20 +195,15 @@ def _grouped_query_attention(module: fx.GraphModule) -> int:
         repeated = node.args[1:3]
         node.args = (node.args[0], key[0], value[0], *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-        for head in repeated:  # reshape <- expand <- unsqueeze, where nothing else reads them
-            chain = head
-            while isinstance(chain, fx.Node) and not chain.users and chain.op == "call_function":
-                before = chain.args[0]
-                module.graph.erase_node(chain)
-                chain = before
+        _erase_unused(module.graph, repeated)  # reshape <- expand <- unsqueeze
         count += 1
     if count:
         module.recompile()
     return count
 
 
-def _halves(cat: Any) -> tuple[fx.Node, int] | None:
-    """(x, half) when `cat` is cat([-x[..., half:], x[..., :half]], -1): rotate_half(x)."""
+def _halves(cat: Any) -> fx.Node | None:
+    """x when `cat` is cat([-x[..., half:], x[..., :half]], -1): rotate_half(x)."""
     if not isinstance(cat, fx.Node) or cat.target is not aten.cat.default:
         return None
     parts = cat.args[0]
@@ -226,7 +229,7 @@ def _halves(cat: Any) -> tuple[fx.Node, int] | None:
     if any(len(n.args) > 4 and n.args[4] != 1 for n in (high, low)):  # a step
         return None
     assert isinstance(x, fx.Node)
-    return x, half
+    return x
 
 
 def _rotary_chain(add: fx.Node) -> tuple[fx.Node, Any, Any] | None:
@@ -239,10 +242,9 @@ def _rotary_chain(add: fx.Node) -> tuple[fx.Node, Any, Any] | None:
         if not (isinstance(turned, fx.Node) and turned.target is aten.mul.Tensor):
             continue
         for cat, sin in (turned.args, turned.args[::-1]):
-            found = _halves(cat)
-            if found is None or not isinstance(sin, fx.Node):
+            x = _halves(cat)
+            if x is None or not isinstance(sin, fx.Node):
                 continue
-            x, _ = found
             cos = _other(straight, x)
             if isinstance(cos, fx.Node) and cos is not x:
                 return x, cos, sin

@@ -127,7 +127,8 @@ def rewrite(
     """
     sig = ep.graph_signature
     graph = ep.graph_module.graph
-    mutated_inputs = _written_placeholders(graph)
+    written = _written_nodes(graph)
+    mutated_inputs = {n.name for n in written if n.op == "placeholder"}
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     flags: dict[fx.Node, Flags] = {}
@@ -136,7 +137,7 @@ def rewrite(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(sig.input_specs), "export's signature and graph disagree"
     last: list[fx.Node] = []
-    folded = _fold_literals(graph)
+    folded = _fold_literals(graph, written)
     constants = dict(ep.constants)
     lifted: dict[fx.Node, fx.Node] = {}
 
@@ -257,12 +258,12 @@ def rewrite(
     )
 
 
-def _fold_literals(graph: fx.Graph) -> dict[fx.Node, torch.Tensor]:
+def _fold_literals(graph: fx.Graph, written: set[fx.Node]) -> dict[fx.Node, torch.Tensor]:
     """The value of every node computed from literals alone (no graph input, nothing
     random), for the nodes that are tensors: one model's masks and positions. A node some
-    operator writes in place, and everything it was computed from (a view's base), stays
-    in the graph: its value is not the same at every use."""
-    written = _written_nodes(graph)
+    operator writes in place (`written`), and everything it was computed from (a view's
+    base), stays in the graph: its value is not the same at every use."""
+    written = set(written)
     stack = list(written)
     while stack:
         for a in stack.pop().all_input_nodes:
@@ -321,13 +322,9 @@ def _known_mask(args: dict[str, Any], folded: Mapping[fx.Node, torch.Tensor]) ->
     return args
 
 
-def _written_placeholders(graph: fx.Graph) -> set[str]:
-    """Names of graph inputs some operator writes in place (BatchNorm's statistics...)."""
-    return {n.name for n in _written_nodes(graph) if n.op == "placeholder"}
-
-
 def _written_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes some operator writes in place."""
+    """The nodes some operator writes in place (graph inputs among them: BatchNorm's
+    statistics...)."""
     written: set[fx.Node] = set()
     for node in graph.nodes:
         target = node.target

@@ -106,8 +106,8 @@ def packed_attention(qkv: Tensor, *, heads: int, mask: Tensor | None, lib: Kerne
     return out
 
 
-#: Longest sequence `attention_heads` serves: its blocks hold three SEQ x SEQ float
-#: arrays on a thread's stack (48 KiB at 64).
+#: Longest sequence `attention_heads` serves: its backward holds two SEQ x SEQ and one
+#: HEAD x SEQ float arrays per block on a thread's stack (48 KiB at 64 and 64).
 MAX_HEADS_SEQ = 64
 
 

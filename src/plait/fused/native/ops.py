@@ -127,15 +127,10 @@ def _attention_backward_fake(
     return torch.empty_like(qkv)
 
 
-def _strides(q: Tensor, k: Tensor, v: Tensor, *rest: Tensor | None) -> Any:
-    """attention_heads_*'s stride table: q, k, v by batch, head and row, then the mask's
-    four (the forward; none: zeros) or dq, dk and dv's three each (the backward)."""
-    table = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3]]
-    if len(rest) == 1:
-        mask = rest[0]
-        table += (0, 0, 0, 0) if mask is None else mask.stride()
-    else:
-        table += [s for t in rest if t is not None for s in t.stride()[:3]]
+def _strides(heads: tuple[Tensor, ...], tail: tuple[int, ...] = ()) -> Any:
+    """attention_heads_*'s stride table: each of `heads` by batch, head and row (q, k, v,
+    and in the backward dq, dk, dv), then `tail` (the forward's mask strides)."""
+    table = [s for t in heads for s in t.stride()[:3]] + list(tail)
     return (ctypes.c_int64 * len(table))(*table)
 
 
@@ -153,7 +148,8 @@ def _attention_heads(  # noqa: PLR0917 (an operator's schema is positional)
     probs = q.new_empty(nb, heads, t, t)
     models = 1 if p is None else p.numel()
     lib.attention_heads_forward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), _strides(q, k, v, mask),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask),
+        _strides((q, k, v), (0, 0, 0, 0) if mask is None else mask.stride()),
         out.data_ptr(), probs.data_ptr(), nb, heads, k.shape[1], int(causal), _ptr(p),
         nb // models, seed, scale, torch.get_num_threads(),
     )  # fmt: skip
@@ -199,7 +195,8 @@ def _attention_heads_backward(  # noqa: PLR0917 (an operator's schema is positio
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     models = 1 if p is None else p.numel()
     lib.attention_heads_backward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _strides(q, k, v, dq, dk, dv), probs.data_ptr(),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _strides((q, k, v, dq, dk, dv)),
+        probs.data_ptr(),
         grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), nb, heads, k.shape[1],
         _ptr(p), nb // models, seed, scale, torch.get_num_threads(),
     )  # fmt: skip
