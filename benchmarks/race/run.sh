@@ -227,6 +227,31 @@ wan-link-ssgd() {  # SEEDS
         --seeds "${1:-0,1,2,3,4}" --max-steps 400 --eval-every 20 --strategies "ssgd+adamw@1e-3"
 }
 
+# The same budget for two more entries (seed 10, unshaped, 300 steps, AdamW 1e-3 and 2e-3):
+# Streaming DiLoCo at H = 5 (a fragment every 2-3 steps: its int4 exchanges, 0.5 MB a step,
+# still fit under the inner steps' compute at 25 Mbit). ACP-SGD with 2 MB buckets needs no
+# tuning: buckets group the same per-matrix compression, so its steps are those of
+# acpsgd:rank=16 (one bucket of 13 MB) and only the overlap with backward changes.
+tune-wan() {
+    race tune-wan --workload "$LINK" --metric loss --target 2.0 --nodes 4 \
+        --seeds 10 --max-steps 300 --eval-every 25 --full-budget \
+        --strategies "diloco:inner_steps=5,fragments=2,delay=2,compression=int4+adamw@1e-3;diloco:inner_steps=5,fragments=2,delay=2,compression=int4+adamw@2e-3"
+}
+
+# The WAN race's second round: what the methods allow at 25 Mbit. ACP-SGD in 2 MB buckets
+# (DDP's bucket_cap_mb), so that buckets all-reduce while backward goes on (ACP-SGD's
+# design: one all-reduce per bucket, issued from the hook), and torch's Power-SGD hook in
+# the same buckets beside its default, so the gain is not the buckets' alone; Streaming
+# DiLoCo at H = 5 (rate from tune-wan).
+WAN2_ENTRIES="torch-powersgd:rank=16+adamw@1e-3;torch-powersgd:rank=16,bucket_cap_mb=2+adamw@1e-3;acpsgd:rank=16,bucket_cap_mb=2+adamw@1e-3;diloco:inner_steps=5,fragments=2,delay=2,compression=int4+adamw@${WAN_H5_LR:-1e-3}"
+wan-link-2() {  # SEEDS
+    local p="torch-powersgd:rank=16+adamw"
+    race "wan-link-gpt-2" --workload "$LINK" --metric loss --target 2.50 --nodes 4 \
+        --bandwidth 25mbit --seeds "${1:-0,1,2,3,4}" --max-steps 400 --eval-every 20 \
+        --strategies "$WAN2_ENTRIES" \
+        --compare "acpsgd:rank=16,bucket_cap_mb=2+adamw/$p;torch-powersgd:rank=16,bucket_cap_mb=2+adamw/$p;diloco:inner_steps=5,fragments=2,delay=2,compression=int4+adamw/$p;acpsgd:rank=16,bucket_cap_mb=2+adamw/torch-powersgd:rank=16,bucket_cap_mb=2+adamw"
+}
+
 all() {
     tune-digits-cnn
     tune-kfac-digits-cnn
