@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from plait import comm
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
 from plait.comm.ops import collective_errors
@@ -272,10 +272,8 @@ class Trainer:
                 sums += torch.tensor(
                     [float(self.wl.loss(out, y)) * count, correct, count], dtype=torch.float64
                 )
-        if self.world > 1:
-            dist.all_reduce(sums)
-        loss_sum, correct, count = sums.tolist()
-        return {"test_loss": loss_sum / count, "test_accuracy": correct / count}
+        loss_sum, hits, total = comm.reduce_floats(sums.tolist(), name="evaluate")
+        return {"test_loss": loss_sum / total, "test_accuracy": hits / total}
 
     def run(self) -> TrainState:
         cfg = self.cfg

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait.comm import AlphaBeta, CollectiveCosts
 from plait.parallel.adapters import adapter_for
 from plait.parallel.api import LossFn, cross_entropy
@@ -76,9 +77,7 @@ def auto_plan(
     gb = global_batch or sample[0].shape[0] * world
     profile = profile_model(model, *sample, loss_fn=loss_fn) if _rank() == 0 else None
     if world > 1:
-        box = [profile]
-        dist.broadcast_object_list(box, src=0)
-        profile = box[0]
+        profile = comm.broadcast_object(profile, src=0, name="planner profile")
         if network is None:
             from plait.comm.probe import probe_collectives
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait.parallel.api import LossFn
 from plait.parallel.memory import PeakMemory, format_bytes
 from plait.parallel.plan import Plan
@@ -174,10 +174,9 @@ def run_trial(
         step()
     times = []
     for _ in range(steps):
-        dist.barrier()
+        comm.barrier(name="trial step")
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    out = torch.tensor([min(times), float(meter.peak)], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return Trial(step_s=float(out[0]), peak_bytes=int(out[1]))
+    step_s, peak = comm.reduce_floats([min(times), float(meter.peak)], op="max", name="trial")
+    return Trial(step_s=step_s, peak_bytes=int(peak))
