@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.cli import _bytes
+from plait.cli.common import _bytes
 from plait.cluster.network import parse_duration as net_duration
 from plait.cluster.network import parse_rate as net_rate
 from plait.parallel.memory import parse_bytes
