@@ -30,14 +30,14 @@ from plait.cli import (
 from plait.cli.common import (
     DEFAULT_NODES,
     NUMBER_BOUNDS,
-    _add_debug_flag,
-    _add_verbosity_flags,
-    _export_cluster_env,
-    _Parser,
-    _version_text,
+    Parser,
+    add_debug_flag,
+    add_verbosity_flags,
     check_numbers,
+    export_cluster_env,
+    version_text,
 )
-from plait.cli.config import _subcommand, load_run_config
+from plait.cli.config import load_run_config, subcommand
 from plait.log import configure, level_from
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="plait",
         description="Braid computation and communication: faster PyTorch training where "
         "hardware sits idle.",
@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an error (also PLAIT_DEBUG=1)"
     )
-    _add_verbosity_flags(parser, default=False)
-    parser.add_argument("--version", action="version", version=_version_text())
+    add_verbosity_flags(parser, default=False)
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo.add_parser(sub)
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fused.add_parser(sub)
 
     plan.add_parser(sub)
-    _add_debug_flag(parser)
+    add_debug_flag(parser)
     return parser
 
 
@@ -97,7 +97,7 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     if getattr(args, "config", None) is None:
         return args
     parser = build_parser()
-    sub = _subcommand(parser, args.command)
+    sub = subcommand(parser, args.command)
     values = load_run_config(args.config, sub)
     given = _given_on_command_line(argv, args.command)
     for group in sub._mutually_exclusive_groups:
@@ -112,7 +112,7 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 def _given_on_command_line(argv: list[str], command: str) -> set[str]:
     """The destinations of the subcommand flags `argv` sets itself."""
     parser = build_parser()
-    for action in _subcommand(parser, command)._actions:
+    for action in subcommand(parser, command)._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             check_numbers(args)
             VALIDATORS[args.command](args)
         if hasattr(args, "placement"):
-            _export_cluster_env(args)
+            export_cluster_env(args)
         return COMMANDS[args.command](args)
     except ValueError as exc:
         _fail(args, 2, str(exc))
@@ -184,4 +184,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # every other error ends as one line too; --debug shows all
         _fail(args, 1, f"{type(exc).__name__}: {exc}")
-

@@ -7,28 +7,28 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.common import (
-    _add_cluster_args,
-    _add_config_arg,
-    _check_cluster_args,
-    _check_strategies,
-    _check_tensorboard,
-    _int_at_least,
-    _workloads,
-    _writable_dir,
+    add_cluster_args,
+    add_config_arg,
+    check_cluster_args,
+    check_strategies,
+    check_tensorboard_dir,
+    int_at_least,
+    workload_list,
+    writable_dir,
 )
 from plait.specs import split_specs
 
 
 def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmark strategies side by side")
-    _add_config_arg(b)
+    add_config_arg(b)
     b.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
     b.add_argument(
         "--strategies",
         default="ssgd",
         help="strategy specs, comma-separated; use ; between specs whose options contain commas",
     )
-    _add_cluster_args(b, multi_bandwidth=True)
+    add_cluster_args(b, multi_bandwidth=True)
     b.add_argument("--steps", type=int, default=10, help="measured steps per strategy")
     b.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy")
     b.add_argument(
@@ -49,15 +49,15 @@ def add_parser(sub: Any) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    _check_cluster_args(args, multi_bandwidth=True)
-    _int_at_least("--steps", args.steps, 1)
-    _int_at_least("--warmup", args.warmup, 0)
-    _int_at_least("--batch-size", args.batch_size, 1)
-    _writable_dir("--out", args.out)
-    _check_tensorboard(args.tensorboard)
-    _check_strategies(
+    check_cluster_args(args, multi_bandwidth=True)
+    int_at_least("--steps", args.steps, 1)
+    int_at_least("--warmup", args.warmup, 0)
+    int_at_least("--batch-size", args.batch_size, 1)
+    writable_dir("--out", args.out)
+    check_tensorboard_dir(args.tensorboard)
+    check_strategies(
         split_specs(args.strategies),
-        _workloads(args.workload),
+        workload_list(args.workload),
         args.nodes * args.nproc_per_node,
         args,
     )

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from plait.cli.common import _check_device, _int_at_least, _ints, _writable_dir
+from plait.cli.common import check_device, int_at_least, ints_arg, writable_dir
 
 
 def add_parser(sub: Any) -> None:
@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
         "registry workload, or a factory pkg.module:factory or "
         "path/to/file.py:factory (--models is the earlier name)",
     )
-    f.add_argument("--n", type=_ints, default=(1, 2, 4, 8, 16, 32), help="array sizes")
+    f.add_argument("--n", type=ints_arg, default=(1, 2, 4, 8, 16, 32), help="array sizes")
     f.add_argument(
         "--strategies",
         default="fused,serial,concurrent,vmap",
@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--warmup", type=int, default=3, help="untimed steps before the rounds")
     f.add_argument(
         "--threads",
-        type=_ints,
+        type=ints_arg,
         default=(1,),
         help="intra-op thread counts of every process, e.g. 1,2: every strategy runs at each",
     )
@@ -98,12 +98,12 @@ def validate(args: argparse.Namespace) -> None:
         if any(v < 1 for v in values):
             raise ValueError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
     for flag in ("steps", "rounds", "batch_size"):
-        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
-    _int_at_least("--warmup", args.warmup, 0)
-    _check_device("--device", args.device)
-    _writable_dir("--out", args.out)
+        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    int_at_least("--warmup", args.warmup, 0)
+    check_device("--device", args.device)
+    writable_dir("--out", args.out)
     if args.fidelity is not None:
-        _int_at_least("--fidelity", args.fidelity, 1)
+        int_at_least("--fidelity", args.fidelity, 1)
         if args.device != "cpu":
             raise ValueError("--fidelity measures on the CPU (float64 references): drop --device")
 

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from plait._proc import scratch_dir
-from plait.cli.common import _add_cluster_args, _check_cluster_args, _network
+from plait.cli.common import add_cluster_args, check_cluster_args, network_spec
 
 
 def add_parser(sub: Any) -> None:
@@ -20,11 +20,11 @@ def add_parser(sub: Any) -> None:
         "measure all-reduce on a fresh one",
     )
     c.add_argument("--all", action="store_true", help="down: also clusters of running jobs")
-    _add_cluster_args(c)
+    add_cluster_args(c)
 
 
 def validate(args: argparse.Namespace) -> None:
-    _check_cluster_args(args)
+    check_cluster_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} cluster(s): {' '.join(removed) or '-'}")
         return 0
     if args.action == "up":
-        cluster = Cluster.create(nodes=args.nodes, network=_network(args), persistent=True).up()
+        cluster = Cluster.create(nodes=args.nodes, network=network_spec(args), persistent=True).up()
         print(f"cluster {cluster.cid}: {args.nodes} node(s), {cluster.network.describe()}")
         for i in range(args.nodes):
             print(
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     # probe
     nodes = max(2, args.nodes)
     out = scratch_dir("plait-probe-") / "probe.json"
-    with Cluster.create(nodes=nodes, network=_network(args)) as cluster:
+    with Cluster.create(nodes=nodes, network=network_spec(args)) as cluster:
         print(
             f"probing all-reduce on {nodes} node(s) x {args.nproc_per_node}, "
             f"{cluster.network.describe()} ...",

@@ -43,7 +43,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line: the flag, the bad value, what it takes.
 
     Every parser and subparser it makes shows the flags' defaults in ``--help``.
@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = False) -> None:
+def add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = False) -> None:
     g = p.add_argument_group("emulated cluster")
     g.add_argument(
         "--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes (network namespaces)"
@@ -107,7 +107,7 @@ def _add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = Fal
     )
 
 
-def _add_config_arg(p: argparse.ArgumentParser) -> None:
+def add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         default=None,
@@ -117,7 +117,7 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _version_text() -> str:
+def version_text() -> str:
     """plait's and torch's versions, from their installed metadata: every parse builds
     this text, and importing torch for it would cost ``plait --help`` 1.3 s."""
     from importlib import metadata
@@ -131,7 +131,7 @@ def _version_text() -> str:
     return f"plait {__version__} (torch {torch_version})"
 
 
-def _add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
+def add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
     g = parser.add_mutually_exclusive_group()
     g.add_argument(
         "-v",
@@ -149,7 +149,7 @@ def _add_verbosity_flags(parser: argparse.ArgumentParser, *, default: object) ->
     )
 
 
-def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """Accept ``--debug``, ``--verbose`` and ``--quiet`` after any subcommand too
     (``plait train ... --debug``)."""
     for action in parser._actions:
@@ -163,11 +163,11 @@ def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
                         help="show the traceback of an error",
                     )
                 if not any("--verbose" in a.option_strings for a in child._actions):
-                    _add_verbosity_flags(child, default=argparse.SUPPRESS)
-                _add_debug_flag(child)
+                    add_verbosity_flags(child, default=argparse.SUPPRESS)
+                add_debug_flag(child)
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def floats_arg(text: str) -> tuple[float, ...]:
     """Comma-separated finite numbers (``1e-3,1.0``)."""
     try:
         values = tuple(float(v) for v in text.split(",") if v.strip())
@@ -180,7 +180,7 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def ints_arg(text: str) -> tuple[int, ...]:
     """Comma-separated integers (``1,2,4``)."""
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
@@ -193,7 +193,7 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _bytes(text: str) -> int:
+def size_arg(text: str) -> int:
     """A size (``512MiB``, ``2GB`` = 2*10^9, ``2GiB`` = 2*2^30, or bytes): `plait.units`."""
     try:
         return parse_size(text)
@@ -201,7 +201,7 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkSpec:
+def network_spec(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkSpec:
     return NetworkSpec(
         bandwidth=bandwidth if bandwidth is not None else args.bandwidth,
         latency=args.latency,
@@ -209,7 +209,7 @@ def _network(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkS
     )
 
 
-def _trace_path(trace: str | None, bandwidth: str | None) -> Path | None:
+def trace_path(trace: str | None, bandwidth: str | None) -> Path | None:
     """One trace per network setting when several run: ``t.json`` -> ``t_slow.json``."""
     if trace is None:
         return None
@@ -217,7 +217,7 @@ def _trace_path(trace: str | None, bandwidth: str | None) -> Path | None:
     return path if bandwidth is None else path.with_name(f"{path.stem}_{bandwidth}{path.suffix}")
 
 
-def _command_line() -> str:
+def command_line() -> str:
     return " ".join(["plait", *sys.argv[1:]])
 
 
@@ -228,10 +228,10 @@ MAX_NODES = 250
 _GROUP_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def _int_at_least(flag: str, value: int | None, minimum: int, maximum: int | None = None) -> None:
+def int_at_least(flag: str, value: int | None, minimum: int, maximum: int | None = None) -> None:
     """ValueError naming `flag` unless `value` (when given) is in [minimum, maximum]."""
     if value is None:
         return
@@ -244,7 +244,7 @@ def _int_at_least(flag: str, value: int | None, minimum: int, maximum: int | Non
         raise ValueError(f"{flag} {value}: expected {accepted}")
 
 
-def _number(
+def check_number(
     flag: str,
     value: float | None,
     *,
@@ -289,7 +289,7 @@ def _creatable(flag: str, path: str, p: Path) -> None:
     os.unlink(probe)
 
 
-def _writable_dir(flag: str, path: str | None) -> None:
+def writable_dir(flag: str, path: str | None) -> None:
     """`path` is a writable directory, or one that can be created."""
     if path is None:
         return
@@ -305,7 +305,7 @@ def _writable_dir(flag: str, path: str | None) -> None:
     _creatable(flag, path, p)
 
 
-def _writable_file(flag: str, path: str | None) -> None:
+def writable_file(flag: str, path: str | None) -> None:
     """`path` names a file that can be written (created with its parents if need be)."""
     if path is None:
         return
@@ -390,12 +390,12 @@ def _bandwidths(text: str | None, *, multi: bool) -> str | None:
     return ",".join(items)
 
 
-def _check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = False) -> None:
+def check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = False) -> None:
     """The emulated cluster's flags; normalises --bandwidth and --latency for tc."""
-    _int_at_least("--nodes", args.nodes, 1, MAX_NODES)
-    _int_at_least("--nproc-per-node", args.nproc_per_node, 1)
-    _int_at_least("--threads", args.threads, 1)
-    _number("--timeout", args.timeout, low=0, low_open=True)
+    int_at_least("--nodes", args.nodes, 1, MAX_NODES)
+    int_at_least("--nproc-per-node", args.nproc_per_node, 1)
+    int_at_least("--threads", args.threads, 1)
+    check_number("--timeout", args.timeout, low=0, low_open=True)
     args.bandwidth = _bandwidths(args.bandwidth, multi=multi_bandwidth)
     if args.latency is not None:
         try:
@@ -403,7 +403,7 @@ def _check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = Fal
         except ValueError as exc:
             raise ValueError(f"--latency: {exc}") from None
         args.latency = args.latency.strip().lower()
-    _number("--loss", args.loss, low=0, high=100, high_open=True)
+    check_number("--loss", args.loss, low=0, high=100, high_open=True)
     if args.link == "model" and args.loss:
         raise ValueError(f"--loss {args.loss} with --link model: a modelled link loses no packets")
     args.placement = _placement(args.device, args.nodes * args.nproc_per_node)
@@ -423,7 +423,7 @@ def _placement(device: str, ranks: int) -> Any:
     return gpu_placement(kind, host_ranks=ranks, host_index=0, gpus=gpus)
 
 
-def _check_backend(strategy: Any, args: argparse.Namespace) -> None:
+def check_backend(strategy: Any, args: argparse.Namespace) -> None:
     """Refuse a strategy whose collectives the job's backend cannot run on its device."""
     from plait.comm import check_collectives
 
@@ -437,7 +437,7 @@ def _check_backend(strategy: Any, args: argparse.Namespace) -> None:
         )
 
 
-def _export_cluster_env(args: argparse.Namespace) -> None:
+def export_cluster_env(args: argparse.Namespace) -> None:
     """Hand ``--device`` and ``--link`` to everything this command launches (the workers
     read PLAIT_DEVICE, `Cluster.create` reads PLAIT_LINK) and say how ranks share GPUs."""
     from plait.cluster.netns import LINK_ENV
@@ -455,22 +455,22 @@ def _export_cluster_env(args: argparse.Namespace) -> None:
         )
 
 
-def _check_tensorboard(log_dir: str | None) -> None:
+def check_tensorboard_dir(log_dir: str | None) -> None:
     """``--tensorboard DIR``: a writable directory, and TensorBoard installed."""
     if log_dir is None:
         return
-    _writable_dir("--tensorboard", log_dir)
+    writable_dir("--tensorboard", log_dir)
     check_tensorboard(log_dir)
 
 
-def _check_group(flag: str, group: str | None) -> None:
+def check_group(flag: str, group: str | None) -> None:
     if group is not None and (not _GROUP_RE.fullmatch(group) or group in (".", "..")):
         raise ValueError(
             f"{flag} {group!r}: expected 1-64 letters, digits, '_', '.' or '-' (not . or ..)"
         )
 
 
-def _check_token_dir(flag: str) -> None:
+def check_token_dir(flag: str) -> None:
     """The compute token's folder is this user's own, checked here rather than in every
     worker after the namespaces exist (another user's folder, a link)."""
     from plait.crossover.token import token_dir
@@ -481,7 +481,7 @@ def _check_token_dir(flag: str) -> None:
         raise ValueError(f"{flag}: {exc}") from None
 
 
-def _check_device(flag: str, device: str) -> None:
+def check_device(flag: str, device: str) -> None:
     """``cpu`` or ``cuda[:N]`` with such a GPU present."""
     m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
     if not m:
@@ -495,7 +495,7 @@ def _check_device(flag: str, device: str) -> None:
             raise ValueError(f"{flag} {device!r}: this machine has {count} CUDA device(s)")
 
 
-def _check_strategies(
+def check_strategies(
     specs: list[str], workloads: list[str], world: int, args: argparse.Namespace | None = None
 ) -> None:
     """Every spec fully checked, against the job's backend and device (`args.placement`)
@@ -510,7 +510,7 @@ def _check_strategies(
         strategy = make_strategy(spec)
         built.append(strategy)
         if args is not None:
-            _check_backend(strategy, args)
+            check_backend(strategy, args)
     for w in workloads:
         wl = get_workload(w)
         model = None
@@ -524,7 +524,7 @@ def _check_strategies(
         strategy.close()
 
 
-def _workloads(text: str) -> list[str]:
+def workload_list(text: str) -> list[str]:
     from plait.workloads import get_workload
 
     names = [w.strip() for w in text.split(",") if w.strip()]

@@ -12,7 +12,7 @@ from pathlib import Path
 _NOT_CONFIGURABLE = frozenset({"help", "config", "debug", "version", "verbose", "quiet"})
 
 
-def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             child: argparse.ArgumentParser = action.choices[name]

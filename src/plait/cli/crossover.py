@@ -8,17 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.common import (
-    _add_cluster_args,
-    _check_cluster_args,
-    _check_group,
-    _check_strategies,
-    _check_token_dir,
-    _command_line,
-    _int_at_least,
-    _network,
-    _trace_path,
-    _writable_dir,
-    _writable_file,
+    add_cluster_args,
+    check_cluster_args,
+    check_group,
+    check_strategies,
+    check_token_dir,
+    command_line,
+    int_at_least,
+    network_spec,
+    trace_path,
+    writable_dir,
+    writable_file,
 )
 
 
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
         help="jobs: workload/strategy (resnet18/ssgd), a JSON file of train settings, or a "
         "quoted command (its script gets PLAIT_CROSSOVER_GROUP)",
     )
-    _add_cluster_args(xr, multi_bandwidth=True)
+    add_cluster_args(xr, multi_bandwidth=True)
     xr.add_argument("--steps", type=int, default=20, help="steps per built-in job")
     xr.add_argument("--warmup", type=int, default=3, help="steps excluded from rates")
     xr.add_argument("--repeats", type=int, default=1, help="--compare: interleaved repeats")
@@ -56,19 +56,19 @@ def validate(args: argparse.Namespace) -> None:
     from plait.bench.colocate import Job
     from plait.train.config import TrainConfig
 
-    _check_cluster_args(args, multi_bandwidth=True)
-    _int_at_least("--steps", args.steps, 1)
-    _int_at_least("--warmup", args.warmup, 0)
-    _int_at_least("--repeats", args.repeats, 1)
+    check_cluster_args(args, multi_bandwidth=True)
+    int_at_least("--steps", args.steps, 1)
+    int_at_least("--warmup", args.warmup, 0)
+    int_at_least("--repeats", args.repeats, 1)
     if args.compare and args.warmup + 2 > args.steps:
         raise ValueError(
             f"--warmup {args.warmup} with --steps {args.steps}: --compare needs "
             "--steps >= --warmup + 2 (two steps after warm-up to measure a rate)"
         )
-    _check_group("--group", args.group)
-    _check_token_dir("plait crossover run")
-    _writable_file("--trace", args.trace)
-    _writable_dir("--out", args.out)
+    check_group("--group", args.group)
+    check_token_dir("plait crossover run")
+    writable_file("--trace", args.trace)
+    writable_dir("--out", args.out)
     if len(args.jobs) < 2:
         raise ValueError(f"{len(args.jobs)} job(s) given; crossover runs at least two")
     for i, spec in enumerate(args.jobs):
@@ -77,11 +77,11 @@ def validate(args: argparse.Namespace) -> None:
         if job.config is not None:
             try:
                 cfg = TrainConfig(**job.config)
-                _check_strategies([cfg.strategy_spec()], [cfg.workload], world, args)
+                check_strategies([cfg.strategy_spec()], [cfg.workload], world, args)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"job {spec!r}: {exc}") from None
         elif job.workload is not None and job.strategy is not None:
-            _check_strategies([job.strategy], [job.workload], world, args)  # plans, backend
+            check_strategies([job.strategy], [job.workload], world, args)  # plans, backend
         elif job.command and not Path(job.command[0]).is_file():
             raise ValueError(
                 f"job {spec!r}: no such script {job.command[0]!r} (expected WORKLOAD/STRATEGY, "
@@ -99,12 +99,12 @@ def run(args: argparse.Namespace) -> int:
     if len(args.jobs) < 2:
         raise ValueError("plait crossover run: give at least two jobs")
     bandwidths = [b.strip() for b in args.bandwidth.split(",")] if args.bandwidth else [None]
-    nets = [_network(args, b) for b in bandwidths]
+    nets = [network_spec(args, b) for b in bandwidths]
     records = []
     with Cluster.create(nodes=args.nodes, network=nets[0]) as cluster:
         for bandwidth, net in zip(bandwidths, nets, strict=True):
             cluster.shape(net)
-            trace = _trace_path(args.trace, bandwidth if len(nets) > 1 else None)
+            trace = trace_path(args.trace, bandwidth if len(nets) > 1 else None)
             print(
                 f"plait crossover: {len(args.jobs)} jobs on {args.nodes} node(s), {net.describe()}",
                 flush=True,
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             records.append(comp.to_dict())
             print(markdown(records[-1:]), flush=True)
             if args.out:
-                write(records, Path(args.out), command=_command_line())
+                write(records, Path(args.out), command=command_line())
     if records:
         print(markdown(records))
     return 0

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from plait.cli.common import DEFAULT_NODES, MAX_NODES, _int_at_least, _writable_dir
+from plait.cli.common import DEFAULT_NODES, MAX_NODES, int_at_least, writable_dir
 
 
 def add_parser(sub: Any) -> None:
@@ -17,8 +17,8 @@ def add_parser(sub: Any) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    _int_at_least("--nodes", args.nodes, 1, MAX_NODES)
-    _writable_dir("--out", args.out)
+    int_at_least("--nodes", args.nodes, 1, MAX_NODES)
+    writable_dir("--out", args.out)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from plait._proc import scratch_dir
-from plait.cli.common import MAX_NODES, _bandwidths, _int_at_least, _workloads, _writable_file
+from plait.cli.common import MAX_NODES, _bandwidths, int_at_least, workload_list, writable_file
 from plait.cluster.network import NetworkSpec, resolve_bandwidth
 from plait.units import parse_size
 
@@ -103,16 +103,16 @@ def _probe_network(args: argparse.Namespace) -> Any:
 
 
 def validate(args: argparse.Namespace) -> None:
-    _workloads(args.workload)
+    workload_list(args.workload)
     if "," in args.workload:
         raise ValueError(f"--workload {args.workload!r}: plan takes one workload")
-    _int_at_least("--nodes", args.nodes, 1, MAX_NODES)
+    int_at_least("--nodes", args.nodes, 1, MAX_NODES)
     for flag in ("nproc_per_node", "batch_size", "slots", "threads"):
-        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
     if args.memory is not None:
         parse_size(args.memory, what="--memory size")
     args.bandwidth = _bandwidths(args.bandwidth, multi=False)
-    _writable_file("--json", args.json)
+    writable_file("--json", args.json)
     if args.races not in ("none", DEFAULT_RACES) and not Path(args.races).is_dir():
         raise ValueError(f"--races {args.races!r}: not a folder of race results (or 'none')")
 

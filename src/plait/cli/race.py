@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.common import (
-    _add_cluster_args,
-    _check_backend,
-    _check_cluster_args,
-    _int_at_least,
-    _ints,
-    _number,
-    _workloads,
-    _writable_dir,
+    add_cluster_args,
+    check_backend,
+    check_cluster_args,
+    check_number,
+    int_at_least,
+    ints_arg,
+    workload_list,
+    writable_dir,
 )
 from plait.specs import split_specs
 
@@ -61,7 +61,7 @@ def add_parser(sub: Any) -> None:
     )
     ra.add_argument(
         "--seeds",
-        type=_ints,
+        type=ints_arg,
         default=DEFAULT_SEEDS,
         help="one run per entry per seed, medians over them and bootstrap intervals on "
         "every ratio (default: five seeds, the fewest that make a verdict)",
@@ -122,7 +122,7 @@ def add_parser(sub: Any) -> None:
         help="with --report: pool DIR's runs (the same entries and settings, other seeds) "
         "into --report's race, and rewrite it (repeatable)",
     )
-    _add_cluster_args(ra)
+    add_cluster_args(ra)
     ra.set_defaults(nodes=4)
 
 
@@ -182,16 +182,16 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--merge pools finished races: it needs --report DIR")
     if args.target is None:
         raise ValueError("--target is required (a held-out accuracy, or a loss with --metric loss)")
-    _check_cluster_args(args)
+    check_cluster_args(args)
     for flag in ("max_steps", "eval_every", "chunk", "batch_size"):
-        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
-    _number("--target", args.target, low=-math.inf)
+        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    check_number("--target", args.target, low=-math.inf)
     if args.metric == "accuracy":
-        _number("--target", args.target, low=0, high=1, low_open=True)
+        check_number("--target", args.target, low=0, high=1, low_open=True)
     if len(set(args.seeds)) != len(args.seeds):
         raise ValueError(f"--seeds {','.join(map(str, args.seeds))}: a seed given twice")
-    _writable_dir("--out", args.out)
-    _workloads(args.workload)
+    writable_dir("--out", args.out)
+    workload_list(args.workload)
     if "," in args.workload:
         raise ValueError(f"--workload {args.workload!r}: a race takes one workload")
     spec = _race_spec(args)
@@ -212,7 +212,7 @@ def validate(args: argparse.Namespace) -> None:
     for e in spec.entries:  # plan degrees against the world and the real model
         strategy = make_strategy(e.spec)
         try:
-            _check_backend(strategy, args)
+            check_backend(strategy, args)
             if type(strategy).check is not Strategy.check:
                 model = model or wl.model(wl.real().info)
                 strategy.check(model, world=args.nodes * args.nproc_per_node)

@@ -8,30 +8,30 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.common import (
-    _MODULE_RE,
-    _add_cluster_args,
-    _check_cluster_args,
-    _int_at_least,
-    _network,
+    MODULE_RE,
+    add_cluster_args,
+    check_cluster_args,
+    int_at_least,
+    network_spec,
 )
 
 
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("run", help="run a script on an emulated cluster (one torchrun per node)")
-    _add_cluster_args(r)
+    add_cluster_args(r)
     r.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a failure")
     r.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
     r.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 
 
 def validate(args: argparse.Namespace) -> None:
-    _check_cluster_args(args)
-    _int_at_least("--max-restarts", args.max_restarts, 0)
+    check_cluster_args(args)
+    int_at_least("--max-restarts", args.max_restarts, 0)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         raise ValueError("give the script after --, e.g. plait run --nodes 2 -- x.py")
     if args.module:
-        if not _MODULE_RE.fullmatch(script[0]):
+        if not MODULE_RE.fullmatch(script[0]):
             raise ValueError(f"-m {script[0]!r}: expected a dotted module name, e.g. pkg.train")
     elif not Path(script[0]).is_file():
         raise ValueError(f"script {script[0]!r}: no such file (use -m to run a module)")
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         raise ValueError("plait run: give the script after --, e.g. plait run --nodes 2 -- x.py")
-    with Cluster.create(nodes=args.nodes, network=_network(args)) as cluster:
+    with Cluster.create(nodes=args.nodes, network=network_spec(args)) as cluster:
         result = launch(
             cluster,
             script,

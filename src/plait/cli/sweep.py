@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from plait.cli.common import (
-    _bytes,
-    _check_device,
-    _floats,
-    _int_at_least,
-    _ints,
-    _number,
-    _writable_dir,
+    check_device,
+    check_number,
+    floats_arg,
+    int_at_least,
+    ints_arg,
+    size_arg,
+    writable_dir,
 )
 
 
@@ -72,7 +72,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--max-models", type=int, default=64, help="largest array to try")
     s.add_argument(
         "--memory-budget",
-        type=_bytes,
+        type=size_arg,
         default=None,
         help="memory one array may use: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 (default: half of free)",
     )
@@ -90,14 +90,14 @@ def add_parser(sub: Any) -> None:
     )
     s.add_argument(
         "--lr",
-        type=_floats,
+        type=floats_arg,
         default=None,
         help="learning-rate range LO,HI (default: 1e-3,1 for sgd and adagrad, "
         "1e-4,0.1 for adam, adamw and rmsprop)",
     )
     s.add_argument(
         "--weight-decay",
-        type=_floats,
+        type=floats_arg,
         default=None,
         help="weight-decay range LO,HI (default 1e-6,1e-2)",
     )
@@ -109,13 +109,13 @@ def add_parser(sub: Any) -> None:
     )
     s.add_argument(
         "--batch-sizes",
-        type=_ints,
+        type=ints_arg,
         default=None,
         help="batch-size choices (non-fusible: one array per value; default 32)",
     )
     s.add_argument(
         "--widths",
-        type=_ints,
+        type=ints_arg,
         default=None,
         help="model-width choices (non-fusible: one array per value; default: "
         "the workload's own width)",
@@ -178,7 +178,7 @@ def validate(args: argparse.Namespace) -> None:
             "use --optimizer sgd or rmsprop, or drop --momentum"
         )
     for flag in ("trials", "epochs", "max_models", "threads"):
-        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
     for name in ("lr", "weight_decay"):
         lo_hi = getattr(args, name)
         flag = f"--{name.replace('_', '-')}"
@@ -186,7 +186,7 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"{flag} takes a range LO,HI with 0 < LO <= HI, got {','.join(map(str, lo_hi))}"
             )
-    _number("--momentum", args.momentum, low=0)
+    check_number("--momentum", args.momentum, low=0)
     for flag, values in (("--batch-sizes", args.batch_sizes), ("--widths", args.widths)):
         if values is not None and any(v < 1 for v in values):
             raise ValueError(f"{flag} {','.join(map(str, values))}: expected integers >= 1")
@@ -197,8 +197,8 @@ def validate(args: argparse.Namespace) -> None:
             "--storage: expected a database URL such as sqlite:///runs/sweeps.db or "
             "postgresql://host/db"
         )
-    _check_device("--device", args.device)
-    _writable_dir("--out", args.out)
+    check_device("--device", args.device)
+    writable_dir("--out", args.out)
     # The workload and the space resolve here, in the parent, before any storage or
     # model exists: an unknown name, a factory that does not import, a space file that
     # does not parse or a hyper-parameter nothing takes fails with its name.

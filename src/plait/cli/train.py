@@ -11,18 +11,18 @@ from typing import Any
 
 from plait._proc import scratch_dir
 from plait.cli.common import (
-    _add_cluster_args,
-    _add_config_arg,
-    _check_backend,
-    _check_cluster_args,
-    _check_group,
-    _check_tensorboard,
-    _check_token_dir,
-    _int_at_least,
-    _network,
-    _number,
-    _writable_dir,
-    _writable_file,
+    add_cluster_args,
+    add_config_arg,
+    check_backend,
+    check_cluster_args,
+    check_group,
+    check_number,
+    check_tensorboard_dir,
+    check_token_dir,
+    int_at_least,
+    network_spec,
+    writable_dir,
+    writable_file,
 )
 from plait.units import parse_size
 
@@ -31,27 +31,27 @@ def add_parser(sub: Any) -> None:
     from plait.train.args import add_train_args
 
     t = sub.add_parser("train", help="train a workload with a strategy")
-    _add_config_arg(t)
+    add_config_arg(t)
     add_train_args(t)
-    _add_cluster_args(t)
+    add_cluster_args(t)
 
 
 def validate(args: argparse.Namespace) -> None:
-    _check_cluster_args(args)
+    check_cluster_args(args)
     for flag in ("epochs", "steps", "batch_size", "accumulate"):
-        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
     for flag in ("checkpoint_every", "max_restarts", "eval_every"):
-        _int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 0)
-    _number("--lr", args.lr, low=0, low_open=True)
-    _number("--momentum", args.momentum, low=0)
-    _number("--weight-decay", args.weight_decay, low=0)
-    _writable_dir("--checkpoint", args.checkpoint)
-    _writable_file("--out", args.out)
-    _writable_file("--trace", args.trace)
-    _check_tensorboard(args.tensorboard)
-    _check_group("--crossover", args.crossover)
+        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 0)
+    check_number("--lr", args.lr, low=0, low_open=True)
+    check_number("--momentum", args.momentum, low=0)
+    check_number("--weight-decay", args.weight_decay, low=0)
+    writable_dir("--checkpoint", args.checkpoint)
+    writable_file("--out", args.out)
+    writable_file("--trace", args.trace)
+    check_tensorboard_dir(args.tensorboard)
+    check_group("--crossover", args.crossover)
     if args.crossover is not None:
-        _check_token_dir("--crossover")
+        check_token_dir("--crossover")
     if args.memory is not None:
         parse_size(args.memory, what="--memory size")
     from plait.train.args import config_from_args
@@ -76,7 +76,7 @@ def validate(args: argparse.Namespace) -> None:
         )
     strategy = cfg.strategy_choice.build()
     try:
-        _check_backend(strategy, args)
+        check_backend(strategy, args)
         if type(strategy).check is not Strategy.check:  # plan degrees against world, model
             strategy.check(wl.model(data.info), world=world)
     finally:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg_path = scratch_dir("plait-train-") / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
-    with Cluster.create(nodes=args.nodes, network=_network(args)) as cluster:
+    with Cluster.create(nodes=args.nodes, network=network_spec(args)) as cluster:
         print(
             f"plait train: {cfg.workload} / {cfg.strategy_spec()} on {args.nodes} node(s) x "
             f"{args.nproc_per_node} ({cluster.network.describe()})",
