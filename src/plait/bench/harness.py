@@ -287,8 +287,9 @@ def _summarise(
 ) -> BenchRecord:
     """Reduce this rank's samples over ranks (collective) and summarise them."""
     nic_own = [s.nic_bytes for s in steps]
-    measured_nic = bool(nic_own) and all(v is not None for v in nic_own)
-    measured_nic = comm.reduce_floats([float(measured_nic)], op="min", name="bench nic")[0] > 0
+    here = bool(nic_own) and all(v is not None for v in nic_own)
+    # the NIC's counters only where every rank read them (a mean over some would hang)
+    measured_nic = comm.reduce_floats([float(here)], op="min", name="bench nic")[0] > 0
     nic = _mean_over_ranks([float(v) for v in nic_own if v is not None]) if measured_nic else []
     return bench_record(
         workload=spec.workload,
