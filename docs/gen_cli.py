@@ -142,4 +142,4 @@ lines = [
 render(parser, 2, "", lines)
 with mkdocs_gen_files.open(PAGE, "w") as fh:
     fh.write("\n".join(lines) + "\n")
-mkdocs_gen_files.set_edit_path(PAGE, "src/plait/cli.py")
+mkdocs_gen_files.set_edit_path(PAGE, "src/plait/cli/__init__.py")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait.cli import _bytes
+from plait.cli.common import size_arg
 from plait.cluster.network import parse_duration as net_duration
 from plait.cluster.network import parse_rate as net_rate
 from plait.parallel.memory import parse_bytes
@@ -59,7 +59,7 @@ def test_zero_size_only_when_allowed() -> None:
 @pytest.mark.parametrize("text", ["2GB", "2GiB", "512MiB", "1.5GB", "100000"])
 def test_every_size_flag_reads_sizes_alike(text: str) -> None:
     """`plait sweep --memory-budget` once read 2GB as 2 GiB and refused 2GiB."""
-    assert _bytes(text) == parse_bytes(text) == parse_size(text)
+    assert size_arg(text) == parse_bytes(text) == parse_size(text)
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def run_demo(*, nodes: int = 4, out: Path = Path("runs/demo"), quick: bool = Fal
             cluster, ["plait.comm.probe", str(probe_out)], module=True, timeout_s=600, quiet=True
         )
         if res.ok:
-            from plait.cli import format_probe
+            from plait.comm.probe import format_probe
 
             print(format_probe(json.loads(probe_out.read_text()), cluster.network.rate_bps))
 

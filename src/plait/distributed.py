@@ -260,11 +260,6 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def device() -> torch.device:
     """The device this rank computes on.
 

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait import distributed as pdist
 from plait.bench.core import Stats, Stopwatch, Turn, run_rounds
 from plait.bench.records import BenchRecord
@@ -203,7 +203,7 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
         r = runners[index]
         x, y = _round_batch(x_all, y_all, turn.round, r.local_batch, device)
         _synchronize(device)
-        pdist.barrier()
+        comm.barrier()
         if phase is StepKind.COMPUTE:
             with Stopwatch() as sw, r.strategy.compute_only(r.model), _zero_lr(r.optimizer):
                 _step(r, x, y, wl.loss, phase=phase.value)
@@ -267,19 +267,11 @@ def run_benchmark(spec: BenchSpec) -> list[BenchRecord]:
 
 def _slowest(values: list[float]) -> list[float]:
     """Per step, the maximum over ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return comm.reduce_floats(values, op="max", name="bench slowest")
 
 
 def _mean_over_ranks(values: list[float]) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+    return comm.reduce_floats(values, op="mean", name="bench mean")
 
 
 def _summarise(
@@ -295,10 +287,9 @@ def _summarise(
 ) -> BenchRecord:
     """Reduce this rank's samples over ranks (collective) and summarise them."""
     nic_own = [s.nic_bytes for s in steps]
-    measured_nic = bool(nic_own) and all(v is not None for v in nic_own)
-    has_nic = torch.tensor([1 if measured_nic else 0])
-    if dist.is_initialized() and world > 1:
-        dist.all_reduce(has_nic, op=dist.ReduceOp.MIN)
+    here = bool(nic_own) and all(v is not None for v in nic_own)
+    # the NIC's counters only where every rank read them (a mean over some would hang)
+    measured_nic = comm.reduce_floats([float(here)], op="min", name="bench nic")[0] > 0
     nic = _mean_over_ranks([float(v) for v in nic_own if v is not None]) if measured_nic else []
     return bench_record(
         workload=spec.workload,
@@ -317,7 +308,7 @@ def _summarise(
         payload=[s.payload_bytes for s in steps],
         wire=[s.wire_bytes for s in steps],
         comm_lb=[s.comm_lb_s for s in steps if s.comm_lb_s is not None],
-        nic=nic if int(has_nic) else [],
+        nic=nic,
         probe=probe,
     )
 

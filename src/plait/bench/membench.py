@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from plait import comm
 from plait import distributed as pdist
 from plait.bench.records import MemoryRecord
 from plait.parallel.adapters import adapter_for
@@ -101,8 +101,7 @@ def run(workload: str, plans: list[str], *, batch: int | None = None) -> list[Me
     for text in plans:
         plan = Plan.parse(text)
         mine = measure_plan(workload, plan, batch=b)
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, mine)
+        every = comm.all_gather_object(mine, name="membench")
         resolved = plan.validate(world=world, dims=dims)
         est = estimate_memory(resolved, dims=dims, acts=acts, global_batch=b * world)
         state_max = max(r["model_state_bytes"] for r in every)

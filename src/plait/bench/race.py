@@ -52,9 +52,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
+from plait import comm
 from plait import distributed as pdist
 from plait.bench.protocol import (
     BOOTSTRAP_RESAMPLES,
@@ -427,19 +427,11 @@ def _batches(t: Trainer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _max_over_ranks(value: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return comm.reduce_floats([value], op="max", name="race time")[0]
 
 
 def _mean_over_ranks(values: list[float]) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+    return comm.reduce_floats(values, op="mean", name="race mean")
 
 
 class _Runner:
@@ -505,7 +497,7 @@ class _Runner:
         """Train up to `steps` steps (evaluating on schedule) unless the run is done."""
         t = self.trainer
         _set_rng_state(self.rng)
-        pdist.barrier()
+        comm.barrier()
         for _ in range(steps):
             if self.done:
                 break

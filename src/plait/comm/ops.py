@@ -389,3 +389,77 @@ def reduce_scatter(
         name=name,
         async_op=async_op,
     )
+
+
+# ------------------------------------------------------- control: barriers and objects
+# Set-up and bookkeeping exchanges (a profile broadcast, checkpoint agreement, timings
+# reduced over ranks) run synchronously and carry pickled objects whose size is unknown
+# before they are sent: they are traced and fail as `CollectiveError`s like the rest, but
+# are not counted in `plait.comm.stats` (whose windows hold a training step's traffic).
+
+
+def barrier(*, group: Group = None, name: str = "barrier") -> None:
+    """Wait until every rank of `group` reaches this point."""
+    if world_size(group) == 1:
+        return
+    start = tracer.now_us()
+    with collective_errors(name, group), profiled(name):
+        dist.barrier(group=group)
+    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
+
+
+def all_gather_object(
+    obj: Any, *, group: Group = None, name: str = "all_gather_object"
+) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    p = world_size(group)
+    if p == 1:
+        return [obj]
+    out: list[Any] = [None] * p
+    start = tracer.now_us()
+    with collective_errors(name, group), profiled(name):
+        dist.all_gather_object(out, obj, group=group)
+    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
+    return out
+
+
+def broadcast_object(
+    obj: Any, *, src: int, group: Group = None, name: str = "broadcast_object"
+) -> Any:
+    """Global rank `src`'s `obj` (picklable) on every rank of `group`."""
+    if world_size(group) == 1:
+        return obj
+    box = [obj]
+    start = tracer.now_us()
+    with collective_errors(name, group), profiled(name):
+        dist.broadcast_object_list(box, src=src, group=group)
+    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
+    return box[0]
+
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def reduce_floats(
+    values: list[float], *, op: str = "sum", group: Group = None, name: str = "reduce_floats"
+) -> list[float]:
+    """`values` reduced element-wise over the ranks of `group` (``sum``, ``mean``, ``max``
+    or ``min``), in float64: timings, rates and counters every rank must agree on."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce_floats: op {op!r} is not one of {sorted(_REDUCE_OPS)}")
+    p = world_size(group)
+    if p == 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    start = tracer.now_us()
+    with collective_errors(name, group), profiled(name):
+        dist.all_reduce(t, op=_REDUCE_OPS[op], group=group)
+    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
+    if op == "mean":
+        t /= p
+    return [float(v) for v in t.tolist()]

@@ -159,6 +159,25 @@ def probe_collectives(
     return CollectiveCosts(default=default, per_op=fitted)
 
 
+def format_probe(res: dict[str, Any], rate_bps: float | None) -> str:
+    """A probe's JSON result (`main`'s output) as a table, against the configured rate."""
+    lines = [f"{'bytes':>12} {'time ms':>10} {'bus bw Mbit/s':>14}"]
+    for n, t, bw in zip(res["sizes"], res["seconds"], res["busbw_bps"], strict=True):
+        lines.append(f"{n:>12d} {1000 * t:>10.2f} {bw / 1e6:>14.1f}")
+    lines.append(
+        f"alpha-beta fit: alpha = {1e6 * res['alpha_s']:.1f} us per message, "
+        f"beta = {1e9 * res['beta_s_per_byte']:.3f} ns/byte "
+        f"(= {res['bandwidth_bps'] / 1e6:.1f} Mbit/s)"
+    )
+    if rate_bps:
+        big = res["busbw_bps"][-1]  # small messages ride the token bucket's burst
+        lines.append(
+            f"configured rate {rate_bps / 1e6:.1f} Mbit/s; bus bandwidth at {res['sizes'][-1]} "
+            f"bytes {big / 1e6:.1f} Mbit/s ({100 * big / rate_bps:.0f}%)"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point of `plait cluster probe`: ``python -m plait.comm.probe OUT.json``."""
     import json

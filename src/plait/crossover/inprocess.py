@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm import FusionItem, ThresholdPlanner, all_reduce, wait, world_size
+from plait.comm import FusionItem, ThresholdPlanner, all_reduce, broadcast, wait, world_size
 from plait.comm.fusion import DDP_DEFAULT_BUCKET_MB
 from plait.distributed import new_group
 from plait.trace import COMPUTE, OPTIM, span
@@ -80,7 +80,8 @@ class InterleavedModels:
             buckets = [[params[i] for i in b] for b in planner.plan(items)]
             if world_size(group) > 1:
                 for p in model.state_dict().values():
-                    dist.broadcast(p, src=0, group=group)  # start from identical replicas
+                    # start from identical replicas
+                    broadcast(p, src=0, group=group, name="replicas", async_op=False)
             self.members.append(_Member(model=model, optimizer=opt, group=group, buckets=buckets))
         self._in_flight: _Member | None = None
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.comm.cost import AlphaBeta
 from plait.kfac.factors import Method, decompose
 from plait.kfac.layers import FactorShape
@@ -94,10 +95,9 @@ class KFACCosts:
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(group) if distributed else 1
         inverse_s, flop_s = _time_compute(Method(method))
-        rates = torch.tensor([inverse_s, flop_s], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(rates, group=group)
-            rates /= world
+        inverse_s, flop_s = comm.reduce_floats(
+            [inverse_s, flop_s], op="mean", group=group, name="kfac rates"
+        )
         link = DEFAULT_LINK
         if world > 1 and probe_links:
             from plait.comm.probe import probe_allreduce
@@ -105,8 +105,8 @@ class KFACCosts:
             link = probe_allreduce(sizes=_PROBE_SIZES, repeats=2, group=group).model
         costs = cls(
             link=link,
-            inverse_s_per_n3=float(rates[0]),
-            flop_s=float(rates[1]),
+            inverse_s_per_n3=inverse_s,
+            flop_s=flop_s,
             source="measured" if probe_links and world > 1 else "measured compute",
         )
         logger.debug("K-FAC costs: %s", costs)

@@ -38,7 +38,6 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from plait.comm import ops
 from plait.comm.cost import AlphaBeta
@@ -421,10 +420,11 @@ class FactorPipeline:
         checksum = 0
         for pos, key in enumerate(keys):
             checksum = (checksum * 1_000_003 + sum(map(ord, key)) * (pos + 1)) % 2_147_483_647
-        mine = torch.tensor([len(keys), checksum], dtype=torch.float64)
-        both = torch.cat([mine, -mine])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(both[:2], mine) or not torch.equal(-both[2:], mine):
+        mine = [float(len(keys)), float(checksum)]
+        both = ops.reduce_floats(
+            mine + [-v for v in mine], op="max", group=self.group, name="kfac layout"
+        )
+        if both[:2] != mine or [-v for v in both[2:]] != mine:
             raise RuntimeError(
                 "K-FAC hooks fired on different modules or in a different order on different "
                 "ranks; every rank must run the same model code"
@@ -434,9 +434,7 @@ class FactorPipeline:
         """The mean over ranks, so that every rank plans from the same numbers."""
         if self.world <= 1 or not values:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.group)
-        return (t / self.world).tolist()
+        return ops.reduce_floats(values, op="mean", group=self.group, name="kfac agree")
 
     # ------------------------------------------------------------------ planning
     def items(self, ready_s: list[float] | None = None) -> list[FusionItem]:

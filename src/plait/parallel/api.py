@@ -435,11 +435,19 @@ def parallelize(
     names = {id(p): n for n, p in model.named_parameters()}
     if isinstance(plan, str):
         if plan == "auto":
-            from plait.parallel.planner import auto_plan
+            from plait.parallel.planner import auto_plan, optimizer_like
 
             if sample is None:
                 raise ValueError('plan="auto" needs a sample batch (sample=(x, y))')
-            plan = auto_plan(model, sample=sample, memory_bytes=memory_bytes).plan
+            factory, states = optimizer_like(optimizer)
+            plan = auto_plan(
+                model,
+                sample=sample,
+                memory_bytes=memory_bytes,
+                loss_fn=loss_fn,
+                optimizer=factory,
+                optimizer_states=states,
+            ).plan
         else:
             plan = Plan.parse(plan)
     pmodel = ParallelModel.build(model, plan, loss_fn=loss_fn)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from plait import comm
 from plait import distributed as pdist
 from plait.parallel.api import ParallelModel
 from plait.persist import (
@@ -83,12 +84,12 @@ def save(
     if pdist.is_main() and (root / MANIFEST).exists():
         (root / MANIFEST).unlink()
         fsync_dir(root)
-    pdist.barrier()
+    comm.barrier()
     dcp_save(state_dict(model, optimizer), checkpoint_id=str(root))
-    pdist.barrier()
+    comm.barrier()
     if pdist.is_main():
         write_manifest(root, step=0, world_size=pdist.world_size())
-    pdist.barrier()
+    comm.barrier()
 
 
 def load(

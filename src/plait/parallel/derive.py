@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from plait import comm
 from plait.parallel.adapters import (
     BoundUnit,
     ModelAdapter,
@@ -241,7 +241,7 @@ class _SumGradOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        comm.all_reduce(grad, group=ctx.group, name="tp input grad", async_op=False)
         return grad, None
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait import comm
 from plait import distributed as pdist
 from plait.persist import (
     MANIFEST,
@@ -76,8 +77,7 @@ def _agree(local_error: BaseException | None, what: str) -> None:
     """
     mine = None if local_error is None else _describe(local_error)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = comm.all_gather_object(mine, name=f"checkpoint {what}")
         failed = [(r, m) for r, m in enumerate(gathered) if m is not None]
     else:
         failed = [] if mine is None else [(0, mine)]
@@ -167,7 +167,7 @@ class Checkpointer:
         if pdist.is_main():
             found[0] = self._verified_here()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(found, src=0)
+            found[0] = comm.broadcast_object(found[0], src=0, name="checkpoints found")
         good, bad = found[0]
         for name in good:
             path = self.root / name
@@ -205,7 +205,7 @@ class Checkpointer:
         if pdist.is_main():
             found = self._latest_here()
             choice[0] = None if found is None else found.name
-        dist.broadcast_object_list(choice, src=0)
+        choice[0] = comm.broadcast_object(choice[0], src=0, name="latest checkpoint")
         return None if choice[0] is None else self.root / choice[0]
 
     def save(
@@ -237,7 +237,7 @@ class Checkpointer:
             raise
         if pdist.is_main():
             self._prune(step)
-        pdist.barrier()
+        comm.barrier()
         return path
 
     def _write(

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from plait import comm
 from plait import distributed as pdist
 from plait.comm import stats as comm_stats
 from plait.comm.ops import collective_errors
@@ -113,26 +113,29 @@ class Trainer:
         self.strategy = strategy or config.strategy_choice.build()
         self.batch_size = config.batch_size or self.wl.train_batch
         sample = next(iter(DataLoader(self.data.train, batch_size=self.batch_size)))
+        optimizer_name = config.optimizer or self.wl.optimizer
+
+        def make_optimizer(params: Any) -> torch.optim.Optimizer:
+            return build_optimizer(
+                optimizer_name,
+                params,
+                lr=config.lr or self.wl.lr,
+                momentum=config.momentum,
+                weight_decay=config.weight_decay,
+            )
+
         self.strategy.bind_data(
             (sample[0].to(self.device), sample[1].to(self.device)),
             global_batch=self.batch_size * self.world,
         )
+        self.strategy.bind_optimizer(make_optimizer, name=optimizer_name)
         self.model = self.strategy.wrap(model)
         # the global batch is batch_size x world whatever the strategy; ranks that share a
         # data shard (tensor/pipeline parallel) split it among fewer readers
         self.dp_rank = self.strategy.data_parallel_rank()
         self.dp_size = self.strategy.data_parallel_size()
         self.loader_batch = self.batch_size * self.world // self.dp_size
-        self.optimizer = self.strategy.build_optimizer(
-            self.model,
-            lambda params: build_optimizer(
-                config.optimizer or self.wl.optimizer,
-                params,
-                lr=config.lr or self.wl.lr,
-                momentum=config.momentum,
-                weight_decay=config.weight_decay,
-            ),
-        )
+        self.optimizer = self.strategy.build_optimizer(self.model, make_optimizer)
         self.strategy.attach_optimizer(self.optimizer)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
             self.data.train,
@@ -269,10 +272,8 @@ class Trainer:
                 sums += torch.tensor(
                     [float(self.wl.loss(out, y)) * count, correct, count], dtype=torch.float64
                 )
-        if self.world > 1:
-            dist.all_reduce(sums)
-        loss_sum, correct, count = sums.tolist()
-        return {"test_loss": loss_sum / count, "test_accuracy": correct / count}
+        loss_sum, hits, total = comm.reduce_floats(sums.tolist(), name="evaluate")
+        return {"test_loss": loss_sum / total, "test_accuracy": hits / total}
 
     def run(self) -> TrainState:
         cfg = self.cfg

@@ -74,6 +74,10 @@ class Strategy(ABC):
     def bind_data(self, sample: Batch, *, global_batch: int) -> None:  # noqa: B027
         """Called before `wrap` with one per-worker batch and the samples per step in all."""
 
+    def bind_optimizer(self, factory: OptimizerFactory, *, name: str) -> None:  # noqa: B027
+        """Called before `wrap` with the factory `build_optimizer` will get and the
+        optimizer's name (a planner that trains trial steps meters its states)."""
+
     def build_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer over the wrapped model (ZeRO strategies shard it here)."""
         return factory(model.parameters())

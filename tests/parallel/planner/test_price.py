@@ -93,3 +93,26 @@ def test_choice_reason_names_the_plan_and_the_runner_up(profile: ComputeProfile)
     assert choice.reason.startswith(f"chose {choice.plan.describe()}: predicted")
     assert "next fitting plan" in choice.reason
     assert choice.to_dict()["reason"] == choice.reason
+
+
+def test_a_choice_near_its_budget_says_the_model_can_err(profile: ComputeProfile) -> None:
+    from plait.parallel.planner.price import MEMORY_MODEL_LOW
+
+    model = gpt()
+    dims = adapter_for(model).dims(model)
+    free = Hardware(world=2, network=AlphaBeta.from_rate(1e8))
+    need = choose(dims=dims, profile=profile, hardware=free, global_batch=GLOBAL_BATCH)
+    need_bytes = need.best.memory.total
+
+    def chosen(budget: float) -> Any:
+        hw = Hardware(world=2, network=free.network, memory_bytes=int(budget))
+        return choose(dims=dims, profile=profile, hardware=hw, global_batch=GLOBAL_BATCH)
+
+    near = chosen(need_bytes * 1.05)  # predicted at 95% of the budget
+    assert near.plan == need.plan
+    assert "erred low" in near.reason and "13%" in near.reason
+    roomy = chosen(need_bytes / MEMORY_MODEL_LOW * 1.01)  # under the model's error band
+    assert roomy.plan == need.plan and "erred low" not in roomy.reason
+    near.metered = {near.plan.describe(): int(need_bytes)}  # a trial metered it: no caveat
+    assert "erred low" not in near.reason
+    assert "metered" in near.table()

@@ -15,12 +15,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait.comm import AlphaBeta, CollectiveCosts
 from plait.parallel.adapters import adapter_for
 from plait.parallel.api import LossFn, cross_entropy
+from plait.parallel.memory import format_bytes
 from plait.parallel.planner.price import Choice, Hardware, choose
 from plait.parallel.planner.profile import compute_slots, profile_model
-from plait.parallel.planner.trial import shortlist, trial_step_time
+from plait.parallel.planner.trial import (
+    OptimizerFactory,
+    Trial,
+    layouts,
+    optimizer_states_of,
+    run_trial,
+    select,
+    stand_in_optimizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +45,18 @@ def auto_plan(
     network: CollectiveCosts | AlphaBeta | None = None,
     trials: int = 4,
     trial_steps: int = 3,
+    optimizer: OptimizerFactory | None = None,
+    optimizer_states: int = 2,
 ) -> Choice:
     """Choose a plan for `model` in the running job (collective: every rank calls it).
 
     Rank 0 measures the model on `sample` while the others wait; all ranks probe the
     network together (unless `network` is given) and price every plan. The fastest
-    predicted plans of the `trials` best layouts that fit then run `trial_steps` steps
-    each (after one warm-up step) and the fastest measured one is chosen, so that what
-    the model cannot see (host overheads of a backend, a machine's contention) decides
-    between near ties.
+    predicted plans of the `trials` best layouts that fit then train for real on copies
+    of the model (`trial.run_trial`): each one's peak memory is metered and `trial_steps`
+    steps timed. A plan metered over `memory_bytes` is replaced by the next layout; of
+    those that fit, the fastest measured is chosen, so that what the model cannot see
+    (host overheads of a backend, a machine's contention, its own memory error) decides.
 
     Args:
         model: the model as built (before `parallelize`); trials run on copies.
@@ -51,14 +64,20 @@ def auto_plan(
         global_batch: samples per step in all (default: per-worker batch x world).
         memory_bytes: memory per device (None: unlimited).
         trials: plans to try for real (0 or 1: the model's choice stands).
+        optimizer: builds the optimizer the job will train with, over given parameters
+            (trials step with it, so its states are metered); None: a stand-in with
+            `optimizer_states` states per parameter at learning rate 0.
+        optimizer_states: state tensors per parameter of the job's optimizer (AdamW 2,
+            SGD with momentum 1), for the memory model.
+
+    Raises:
+        ValueError: no plan fits `memory_bytes`, by the model or by the trials' meter.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     gb = global_batch or sample[0].shape[0] * world
     profile = profile_model(model, *sample, loss_fn=loss_fn) if _rank() == 0 else None
     if world > 1:
-        box = [profile]
-        dist.broadcast_object_list(box, src=0)
-        profile = box[0]
+        profile = comm.broadcast_object(profile, src=0, name="planner profile")
         if network is None:
             from plait.comm.probe import probe_collectives
 
@@ -72,15 +91,38 @@ def auto_plan(
         host_offload=torch.cuda.is_available(),
     )
     dims = adapter_for(model).dims(model)
-    choice = choose(dims=dims, profile=profile, hardware=hw, global_batch=gb)
+    choice = choose(
+        dims=dims,
+        profile=profile,
+        hardware=hw,
+        global_batch=gb,
+        optimizer_states=optimizer_states,
+    )
     choice.model_notes += model_notes(model)
     if trials > 1 and world > 1:
-        short = shortlist(choice.estimates, trials)
-        for plan in short:
-            choice.measured[plan.describe()] = trial_step_time(
-                model, plan, sample=sample, global_batch=gb, loss_fn=loss_fn, steps=trial_steps
+        factory = optimizer or stand_in_optimizer(optimizer_states)
+        best, ran = select(
+            layouts(choice.estimates),
+            lambda plan: run_trial(
+                model,
+                plan,
+                sample=sample,
+                global_batch=gb,
+                loss_fn=loss_fn,
+                steps=trial_steps,
+                optimizer=factory,
+            ),
+            trials=trials,
+            memory_bytes=memory_bytes,
+        )
+        choice.measured = {plan: t.step_s for plan, t in ran.items()}
+        choice.metered = {plan: t.peak_bytes for plan, t in ran.items()}
+        if best is None:
+            raise ValueError(
+                f"no plan fits in {format_bytes(memory_bytes or 0)} per device: the memory "
+                f"model's {len(ran)} best layouts all metered over it in trial runs "
+                f"({_metered(ran)})"
             )
-        best = min(short, key=lambda p: choice.measured[p.describe()])
         choice.plan = best
     if _rank() == 0:
         logger.info("planner: %s", choice.reason)
@@ -116,9 +158,12 @@ def plan_workload(
     profile = profile_model(model, *sample, loss_fn=wl.loss)
     hw = Hardware(world=world, network=network, memory_bytes=memory_bytes, slots=slots)
     dims = adapter_for(model).dims(model)
-    states = 2 if wl.optimizer in ("adam", "adamw") else 1
     choice = choose(
-        dims=dims, profile=profile, hardware=hw, global_batch=batch * world, optimizer_states=states
+        dims=dims,
+        profile=profile,
+        hardware=hw,
+        global_batch=batch * world,
+        optimizer_states=optimizer_states_of(wl.optimizer),
     )
     choice.model_notes += model_notes(model)
     return choice
@@ -135,6 +180,10 @@ def model_notes(model: nn.Module) -> list[str]:
     return [
         f"{len(blocks)} blocks of {type(model).__name__} ({blocks[0]}, ...); tensor plan{where}"
     ]
+
+
+def _metered(ran: dict[str, Trial]) -> str:
+    return ", ".join(f"{plan} {format_bytes(t.peak_bytes)}" for plan, t in ran.items())
 
 
 def _rank() -> int:

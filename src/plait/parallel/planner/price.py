@@ -73,6 +73,13 @@ class Hardware:
     host_offload: bool = False
 
 
+#: The memory model's largest under-estimate of a metered peak on the bundled workloads
+#: (predicted / metered 0.866, benchmarks/parallel/memory-candidates): a plan predicted
+#: above this share of the budget may run over it. Trial runs in a job meter the plans
+#: they try (`trial`); a plan priced without them says so in `Choice.reason`.
+MEMORY_MODEL_LOW = 0.866
+
+
 @dataclass(frozen=True, kw_only=True)
 class Estimate:
     """A plan priced: predicted step time, its parts, memory, and the verdict."""
@@ -104,6 +111,7 @@ class Choice:
     global_batch: int
     profile: ComputeProfile
     measured: dict[str, float] = field(default_factory=dict)
+    metered: dict[str, int] = field(default_factory=dict)
     excluded: list[str] = field(default_factory=list)
     model_notes: list[str] = field(default_factory=list)
 
@@ -139,11 +147,28 @@ class Choice:
                 f"{oom} of {len(self.estimates)} plans do not fit in "
                 f"{format_bytes(self.hardware.memory_bytes or 0)} per device"
             )
+        budget = self.hardware.memory_bytes
+        if (
+            budget is not None
+            and not self.metered
+            and best.memory.total > MEMORY_MODEL_LOW * budget
+        ):
+            parts.append(
+                f"its predicted memory is within {1 - MEMORY_MODEL_LOW:.0%} of the budget, "
+                f"where the model has erred low (down to {MEMORY_MODEL_LOW} of the meter): "
+                "trial runs in a job (plan:auto) meter it before training"
+            )
         if self.measured:
             key = self.plan.describe()
             parts.append(
                 f"trial runs of {len(self.measured)} layouts decided"
                 + (f" ({self.measured[key]:.3f} s/step measured)" if key in self.measured else "")
+            )
+        over = [p for p, b in self.metered.items() if budget is not None and b > budget]
+        if over:
+            parts.append(
+                f"{len(over)} metered over the budget in trials and were passed over "
+                f"({', '.join(over)})"
             )
         parts += self.excluded + self.model_notes
         return "; ".join(parts)
@@ -174,8 +199,13 @@ class Choice:
                 verdict = "fits"
             else:
                 verdict = f"predicted {e.time_s / self.best.time_s:.2f}x"
-            if e.plan.describe() in self.measured:
-                verdict += f"; trial {self.measured[e.plan.describe()]:.3f} s"
+            key = e.plan.describe()
+            if key in self.measured:
+                verdict += f"; trial {self.measured[key]:.3f} s"
+            if key in self.metered:
+                peak = self.metered[key]
+                over = hw.memory_bytes is not None and peak > hw.memory_bytes
+                verdict += f", metered {format_bytes(peak)}" + (" (over)" if over else "")
             lines.append(
                 f"| {mark} | `{e.plan.describe()}` | {e.time_s:.3f} | {e.compute_s:.3f} | {comm} | "
                 f"{format_bytes(e.memory.total)} | {format_bytes(e.memory.model_state)} | "
@@ -194,6 +224,7 @@ class Choice:
             "memory_bytes": self.hardware.memory_bytes,
             "network": _costs(self.hardware.network).to_dict(),
             "measured": self.measured,
+            "metered": self.metered,
             "global_batch": self.global_batch,
             "sample_s": self.profile.sample_s,
             "reason": self.reason,

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from plait import comm
 from plait._proc import usable_cpus
 from plait.distributed import new_group
 from plait.parallel.adapters import adapter_for
@@ -169,8 +170,7 @@ def compute_slots(threads_per_rank: int | None = None) -> int:
     mine = (socket.gethostname(), usable_cpus())
     if not dist.is_initialized():
         return 1
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = comm.all_gather_object(mine, name="compute slots")
     hosts: dict[str, list[int]] = {}
     for host, n in every:
         hosts.setdefault(host, []).append(n)

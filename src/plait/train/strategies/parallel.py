@@ -50,6 +50,8 @@ class PlanStrategy(Strategy):
         self.choice: Any = None
         self._sample: Batch | None = None
         self._global_batch = 0
+        self._optimizer: OptimizerFactory | None = None
+        self._optimizer_name: str | None = None
         self._model: ParallelModel | None = None
 
     @property
@@ -79,18 +81,25 @@ class PlanStrategy(Strategy):
         self._sample = sample
         self._global_batch = global_batch
 
+    def bind_optimizer(self, factory: OptimizerFactory, *, name: str) -> None:
+        self._optimizer = factory
+        self._optimizer_name = name
+
     def wrap(self, model: nn.Module) -> nn.Module:
         plan = self.plan
         if plan is None:
-            from plait.parallel.planner import auto_plan
+            from plait.parallel.planner import auto_plan, optimizer_states_of
 
             if self._sample is None:
                 raise ValueError("plan:auto needs a sample batch (Strategy.bind_data)")
+            name = self._optimizer_name
             self.choice = auto_plan(
                 model,
                 sample=self._sample,
                 global_batch=self._global_batch or None,
                 memory_bytes=self.memory_bytes,
+                optimizer=self._optimizer,
+                optimizer_states=2 if name is None else optimizer_states_of(name),
             )
             plan = self.choice.plan
         from plait.parallel.api import ParallelModel

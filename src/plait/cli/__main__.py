@@ -1,0 +1,7 @@
+"""``python -m plait.cli``: the `plait` command."""
+
+import sys
+
+from plait.cli import main
+
+sys.exit(main())
