@@ -265,6 +265,8 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         ("powersgd:rank=0", ["'powersgd'", "rank", "> 0"]),
         ("torch-powersgd:rank=2.5", ["rank", "integer"]),
         ("ssgd:bucket_cap_mb=abc", ["bucket_cap_mb", "'abc'"]),
+        # its hook runs in one bucket: a bucket size would be silently ignored
+        ("torch-powersgd:rank=4,bucket_cap_mb=2", ["one DDP bucket", "bucket_cap_mb"]),
         ("fp16:x=1", ["'x'", "'fp16'"]),
         ("kfac-naive:compression=zip", ["'zip'", "choose from"]),
         ("spd-kfac:compression=acpsgd,rnak=4", ["'rnak'", "rank"]),

@@ -88,6 +88,7 @@ def test_select_returns_none_when_nothing_fits() -> None:
         [Plan.parse("dp=2"), Plan.parse("pp=2")], run, trials=4, memory_bytes=80 * MiB
     )
     assert best is None and set(trials) == {"dp=2", "pp=2"}
+    assert ran == ["dp=2", "pp=2"]  # every candidate was tried before giving up
 
 
 def test_optimizer_states() -> None:

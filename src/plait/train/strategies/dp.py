@@ -54,6 +54,14 @@ class DataParallel(Strategy):
         cls = compressor_class(compression)  # fail early on an unknown name
         check_options(compression, options, [*DDP_OPTIONS, *keyword_options(cls)])
         check_ddp_options(compression, {"bucket_cap_mb": bucket_cap_mb, **options})
+        if getattr(cls, "single_bucket", False) and (
+            bucket_cap_mb != 25.0 or "final_bucket_mb" in options
+        ):
+            raise ValueError(
+                f"strategy {compression!r} runs in one DDP bucket (its hook cannot pair "
+                "several buckets' collectives on gloo): bucket_cap_mb and final_bucket_mb "
+                "do not apply to it"
+            )
         check_compressor(
             compression, compression, {k: v for k, v in options.items() if k not in DDP_OPTIONS}
         )
