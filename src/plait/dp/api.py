@@ -208,15 +208,6 @@ def data_parallel(
     if final_bucket_mb < 0:
         raise ValueError(f"final_bucket_mb must be >= 0, got {final_bucket_mb}")
     comp = make_compressor(compression, group=group, **options)
-    if comp.single_bucket and (bucket_cap_mb, final_bucket_mb) != (
-        DDP_DEFAULT_BUCKET_MB,
-        DDP_DEFAULT_FINAL_BUCKET_MB,
-    ):
-        raise ValueError(
-            f"{comp.name} runs all gradients in one DDP bucket (its hook cannot pair "
-            "several buckets' collectives on gloo): bucket_cap_mb and final_bucket_mb do "
-            "not apply to it"
-        )
     if not isinstance(comp, AllReduce):
         sparse = [
             name
