@@ -398,14 +398,21 @@ def reduce_scatter(
 # are not counted in `plait.comm.stats` (whose windows hold a training step's traffic).
 
 
+@contextlib.contextmanager
+def _control(name: str, group: Group) -> Iterator[None]:
+    """Trace the block as collective `name` and raise its failure as a `CollectiveError`."""
+    start = tracer.now_us()
+    with collective_errors(name, group), profiled(name):
+        yield
+    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
+
+
 def barrier(*, group: Group = None, name: str = "barrier") -> None:
     """Wait until every rank of `group` reaches this point."""
     if world_size(group) == 1:
         return
-    start = tracer.now_us()
-    with collective_errors(name, group), profiled(name):
+    with _control(name, group):
         dist.barrier(group=group)
-    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
 
 
 def all_gather_object(
@@ -416,10 +423,8 @@ def all_gather_object(
     if p == 1:
         return [obj]
     out: list[Any] = [None] * p
-    start = tracer.now_us()
-    with collective_errors(name, group), profiled(name):
+    with _control(name, group):
         dist.all_gather_object(out, obj, group=group)
-    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
     return out
 
 
@@ -430,10 +435,8 @@ def broadcast_object(
     if world_size(group) == 1:
         return obj
     box = [obj]
-    start = tracer.now_us()
-    with collective_errors(name, group), profiled(name):
+    with _control(name, group):
         dist.broadcast_object_list(box, src=src, group=group)
-    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
     return box[0]
 
 
@@ -456,10 +459,8 @@ def reduce_floats(
     if p == 1 or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    start = tracer.now_us()
-    with collective_errors(name, group), profiled(name):
+    with _control(name, group):
         dist.all_reduce(t, op=_REDUCE_OPS[op], group=group)
-    tracer.add(name, COMM, start, tracer.now_us(), thread="comm")
     if op == "mean":
         t /= p
     return [float(v) for v in t.tolist()]

@@ -432,8 +432,6 @@ class FactorPipeline:
 
     def _agree(self, values: list[float]) -> list[float]:
         """The mean over ranks, so that every rank plans from the same numbers."""
-        if self.world <= 1 or not values:
-            return list(values)
         return ops.reduce_floats(values, op="mean", group=self.group, name="kfac agree")
 
     # ------------------------------------------------------------------ planning

@@ -18,12 +18,11 @@ from torch import nn
 from plait import comm
 from plait.comm import AlphaBeta, CollectiveCosts
 from plait.parallel.adapters import adapter_for
-from plait.parallel.api import LossFn, cross_entropy
+from plait.parallel.api import LossFn, OptimizerFactory, cross_entropy
 from plait.parallel.memory import format_bytes
 from plait.parallel.planner.price import Choice, Hardware, choose
 from plait.parallel.planner.profile import compute_slots, profile_model
 from plait.parallel.planner.trial import (
-    OptimizerFactory,
     Trial,
     layouts,
     optimizer_states_of,

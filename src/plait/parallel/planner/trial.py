@@ -21,15 +21,12 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.parallel.api import LossFn
+from plait.parallel.api import LossFn, OptimizerFactory
 from plait.parallel.memory import PeakMemory, format_bytes
 from plait.parallel.plan import Plan
 from plait.parallel.planner.price import Estimate
 
 logger = logging.getLogger(__name__)
-
-#: Builds the optimizer a trial steps with, over the parallel model's parameters.
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
