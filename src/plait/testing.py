@@ -27,7 +27,7 @@ import queue
 import signal
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
 from typing import Any, Literal
@@ -114,9 +114,30 @@ def _spawn(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # the workers start with `base_env`, before they import anything: unpickling `fn`
+    # imports torch before `_worker` runs, and libraries that read OMP_NUM_THREADS when
+    # they load missed a value set later. gloo's callback threads (where compression hooks
+    # decompress) then rounded the same product differently on two ranks, and ACP-SGD's
+    # replicas drifted apart by one rounding in 3 of 20 loaded runs (0 of 24 inherited).
+    with _environ(base_env):
+        for p in procs:
+            p.start()
     return procs, results
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with `env` added, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_distributed(
