@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from plait.train.loop import build_optimizer
-from plait.train.optim import MuonAdamW
+from plait.train.optim import Muon32, MuonAdamW, orthogonalise
 
 
 def _model() -> nn.Module:
@@ -55,6 +55,48 @@ def test_muon_adamw_matches_stock_muon_plus_adamw() -> None:
     before = [p.detach().clone() for p in ours.parameters()]
     _train(ours, [opt], 1)
     assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))
+
+
+def test_muon32_in_bfloat16_is_torchs_muon() -> None:
+    """Asked for torch's own bfloat16 iteration, Muon32 computes torch's Muon bit for bit
+    (momentum, Nesterov, weight decay, the RMS-matched rate): only the type differs."""
+    ours, ref = _model(), _model()
+    kw: dict = {"lr": 0.02, "weight_decay": 0.01, "adjust_lr_fn": "match_rms_adamw"}
+    mine = [p for p in ours.parameters() if p.ndim == 2]
+    stock = [p for p in ref.parameters() if p.ndim == 2]
+    _train(ours, [Muon32(mine, ns_dtype=torch.bfloat16, **kw)], 3)
+    _train(ref, [torch.optim.Muon(stock, **kw)], 3)
+    for a, b in zip(mine, stock, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_orthogonalise_in_float32_tracks_float64() -> None:
+    """The float32 iteration is the float64 one up to float32 rounding (1e-5 over five
+    steps of products of unit-scale matrices), where bfloat16's 8-bit mantissa is off by
+    about 1e-2; both tall and wide matrices."""
+    coeffs = (3.4445, -4.7750, 2.0315)
+    for shape in ((12, 30), (30, 12)):
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+        exact = orthogonalise(g.double(), torch.float64, coeffs, 5, 1e-7)
+        f32 = orthogonalise(g, torch.float32, coeffs, 5, 1e-7)
+        bf16 = orthogonalise(g, torch.bfloat16, coeffs, 5, 1e-7)
+        assert f32.dtype == torch.float32 and f32.shape == shape
+        assert (f32.double() - exact).abs().max() < 1e-5
+        assert (bf16.double() - exact).abs().max() > 1e-3
+        # Muon's polar-factor surrogate: singular values pulled into about (0.5, 1.5)
+        sv = torch.linalg.svdvals(exact)
+        assert sv.min() > 0.4 and sv.max() < 1.6
+
+
+def test_muon_fp32_optimizer_keeps_float32_and_trains() -> None:
+    model = _model()
+    opt = build_optimizer("muon-fp32", model.parameters(), lr=0.01)
+    assert isinstance(opt, MuonAdamW)
+    assert any(isinstance(o, Muon32) and o.ns_dtype == torch.float32 for o in opt._inner())
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    first = model(x).pow(2).mean().item()
+    _train(model, [opt], 5)
+    assert model(x).pow(2).mean().item() < first
 
 
 def test_muon_adamw_state_dict_round_trip() -> None:

@@ -82,7 +82,8 @@ def add_parser(sub: Any) -> None:
         default=None,
         choices=list(OPTIMIZERS),
         help="optimizer of entries without +OPTIMIZER (default: the workload's); "
-        "muon: torch.optim.Muon for the matrices, AdamW for the rest",
+        "muon: torch.optim.Muon for the matrices, AdamW for the rest; "
+        "muon-fp32: the same in float32 (CPUs without bf16)",
     )
     ra.add_argument(
         "--lr",

@@ -44,7 +44,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=list(OPTIMIZERS),
         help="optimizer (default: the workload's); muon: torch.optim.Muon for the weight "
-        "matrices, AdamW for the rest",
+        "matrices, AdamW for the rest; muon-fp32: the same in float32 (CPUs without bf16)",
     )
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")

@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 #: Optimizer names: ``sgd`` (with `TrainConfig.momentum`), ``sgd-plain`` (no momentum: the
 #: optimizer for K-FAC's eigenbasis-Adam mode, whose moments are its own), ``adam``,
-#: ``adamw``, ``muon`` (`plait.train.optim.MuonAdamW`) and ``heavyball-soap`` (heavyball's
-#: SOAP, the `bench` extra; `plait.train.optim.heavyball_soap`).
-OPTIMIZERS = ("sgd", "sgd-plain", "adam", "adamw", "muon", "heavyball-soap")
+#: ``adamw``, ``muon`` (`plait.train.optim.MuonAdamW`), ``muon-fp32`` (the same with its
+#: Newton-Schulz iteration in float32, for CPUs without bf16 units) and ``heavyball-soap``
+#: (heavyball's SOAP, the `bench` extra; `plait.train.optim.heavyball_soap`).
+OPTIMIZERS = ("sgd", "sgd-plain", "adam", "adamw", "muon", "muon-fp32", "heavyball-soap")
 
 
 def _option_text(value: OptionValue) -> str:

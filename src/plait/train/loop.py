@@ -69,6 +69,8 @@ def build_optimizer(
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "muon":  # Muon for the matrices, AdamW for the rest (plait.train.optim)
         return MuonAdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "muon-fp32":  # the same, its Newton-Schulz iteration in float32
+        return MuonAdamW(params, lr=lr, weight_decay=weight_decay, ns_dtype=torch.float32)
     if name == "heavyball-soap":
         return heavyball_soap(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")

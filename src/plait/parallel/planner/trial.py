@@ -100,7 +100,15 @@ def select(
 #: `optimizer_states`): Adam's two moments, SGD's momentum, Muon's momentum (the AdamW
 #: it runs for vectors keeps two, but on few and small tensors), SOAP's two moments (its
 #: Kronecker factors are per layer, not per element).
-OPTIMIZER_STATES = {"sgd": 1, "sgd-plain": 0, "adam": 2, "adamw": 2, "muon": 1, "heavyball-soap": 2}
+OPTIMIZER_STATES = {
+    "sgd": 1,
+    "sgd-plain": 0,
+    "adam": 2,
+    "adamw": 2,
+    "muon": 1,
+    "muon-fp32": 1,
+    "heavyball-soap": 2,
+}
 
 
 def optimizer_states_of(name: str) -> int:
