@@ -206,7 +206,7 @@ def test_config_file_under_the_command_line(tmp_path: Path) -> None:
         'no-progress = true\nbandwidth = "slow"\n'
     )
     args = parse_command_line(["train", "--config", str(cfg), "--steps", "5", "--nodes", "2"])
-    assert (args.strategy, args.batch_size, args.no_progress) == ("acpsgd:rank=4", 16, True)
+    assert (args.strategy, args.batch_size, args.progress) == ("acpsgd:rank=4", 16, False)
     assert (args.steps, args.epochs, args.nodes) == (5, None, 2)  # --steps drops epochs
     args = parse_command_line(["train", "--config", str(cfg), "--batch-size", "8"])
     assert (args.batch_size, args.epochs, args.nodes) == (8, 2, DEFAULT_NODES)

@@ -21,8 +21,13 @@ def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def _config_flags(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """The flags of a subcommand a run config may set, by destination."""
-    return {a.dest: a for a in sub._actions if a.option_strings and a.dest not in _NOT_CONFIGURABLE}
+    """The flags of a subcommand a run config may set, by long name with underscores
+    (``no_progress`` for ``--no-progress``, whose destination is ``progress``)."""
+    out = {}
+    for a in sub._actions:
+        if a.option_strings and a.dest not in _NOT_CONFIGURABLE:
+            out[max(a.option_strings, key=len).lstrip("-").replace("-", "_")] = a
+    return out
 
 
 def _config_value(where: str, key: str, value: object, action: argparse.Action) -> object:
@@ -30,7 +35,7 @@ def _config_value(where: str, key: str, value: object, action: argparse.Action) 
     if action.nargs == 0:  # an on/off switch
         if not isinstance(value, bool):
             raise ValueError(f"{where}: key {key!r}: expected true or false, got {value!r}")
-        return value
+        return action.const if value else action.default  # store_false flips it
     if isinstance(value, list):
         # a list of names stands for the flag's comma-separated text; strategy specs whose
         # options hold commas are separated by ';', as on the command line

@@ -1,7 +1,8 @@
 """The training run's configuration: `TrainConfig` and the `StrategyChoice` it resolves.
 
 Plain data, importable without torch: the command line builds its flags from
-`TrainConfig`'s fields (`plait.train.args`), and ``plait --help`` must not wait for torch.
+`TrainConfig`'s fields (`plait.flags`: each field's `option` holds its help), and
+``plait --help`` must not wait for torch.
 Checking a config builds its workload and strategy, which import torch then.
 """
 
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from plait.flags import option
 from plait.specs import OptionValue, parse_spec
 
 if TYPE_CHECKING:
@@ -73,7 +75,7 @@ class StrategyChoice:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything a training run needs; the CLI flags map one to one.
+    """Everything a training run needs; its flags are generated from it (`plait.flags`).
 
     Attributes:
         workload: a name from `plait.workloads.WORKLOADS`.
@@ -106,29 +108,57 @@ class TrainConfig:
     validated once, at construction, into `strategy_choice`.
     """
 
-    workload: str = "mlp"
-    strategy: str | StrategyChoice = "ssgd"
-    data: str = "real"
-    epochs: int | None = None
-    steps: int | None = None
-    batch_size: int | None = None
-    accumulate: int = 1
-    lr: float | None = None
-    optimizer: str | None = None
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0
-    checkpoint: str | None = None
-    checkpoint_every: int = 0
-    trace: str | None = None
-    out: str | None = None
-    progress: bool = True
+    workload: str = option(
+        "mlp",
+        "a registered workload (mlp, resnet18, vgg, gpt, digits-mlp, ...) or a factory, "
+        "pkg.module:factory or path/to/file.py:factory",
+    )
+    strategy: str | StrategyChoice = option("ssgd", "strategy spec, e.g. ssgd or acpsgd:rank=4")
+    data: Literal["real", "synthetic"] = option(
+        "real", "the workload's bundled real data, or synthetic data of its shapes"
+    )
+    epochs: int | None = option(
+        None, "passes over the data (default: the workload's)", exclusive="length"
+    )
+    steps: int | None = option(None, "optimizer steps (instead of epochs)", exclusive="length")
+    batch_size: int | None = option(None, "per-worker batch size (default: the workload's)")
+    accumulate: int = option(1, "micro-batches per optimizer step")
+    lr: float | None = option(None, "learning rate (default: the workload's)")
+    optimizer: str | None = option(
+        None,
+        "optimizer (default: the workload's); muon: torch.optim.Muon for the weight "
+        "matrices, AdamW for the rest; muon-fp32: the same in float32 (CPUs without bf16)",
+        choices=OPTIMIZERS,
+    )
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "weight decay")
+    seed: int = option(0, "seed of the initial weights, data order and compressors")
+    checkpoint: str | None = option(None, "checkpoint directory (resumes from it)")
+    checkpoint_every: int = option(0, "steps between checkpoints")
+    trace: str | None = option(None, "write a merged Chrome trace here")
+    out: str | None = option(None, "write the run's metrics (JSON) here")
+    progress: bool = option(True, "no progress bar")
     synthetic_samples: int = 1024
-    crossover: str | None = None
-    eval_every: int = 0
-    plan: str | None = None
-    memory: str | None = None
-    tensorboard: str | None = None
+    crossover: str | None = option(
+        None,
+        "share each device's compute token with co-located jobs of GROUP",
+        metavar="GROUP",
+    )
+    eval_every: int = option(0, "also evaluate every K steps (a learning curve in --out)")
+    plan: str | None = option(
+        None,
+        "n-D parallel plan, e.g. dp=2,tp=2,zero=3 or pp=4,schedule=interleaved, or auto "
+        "(--strategy then names the data axis's compressor)",
+    )
+    memory: str | None = option(
+        None, "memory per device for --plan auto: 2GiB = 2*2^30 bytes, 2GB = 2*10^9"
+    )
+    tensorboard: str | None = option(
+        None,
+        "also write rank 0's scalars (loss, held-out metrics, throughput, bytes per step) "
+        "as TensorBoard events here",
+        metavar="DIR",
+    )
 
     def __post_init__(self) -> None:
         from plait.workloads import get_workload
