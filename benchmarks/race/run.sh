@@ -138,6 +138,18 @@ second-order-gpt() {  # BANDWIDTH HB_LR EKFAC_LR SOAP_LR [SEEDS]: rates from tun
         --compare "$e/ssgd+muon;$s/ssgd+muon;$e/ssgd+heavyball-soap;$s/ssgd+heavyball-soap;$k/ssgd+muon"
 }
 
+# Muon with its Newton-Schulz iteration in float32 (`muon-fp32`, plait.train.optim.Muon32):
+# the same update as torch's Muon up to the rounding of the orthogonalised matrix, at the
+# rate tune-gpt-1 chose for Muon (0.01, seed 10), so that a host without bf16 units times
+# the method and not the emulation of bf16. Five seeds for a verdict.
+second-order-gpt-fp32() {  # BANDWIDTH HB_LR SOAP_LR [SEEDS]
+    local k="$KFAC,$TUNED+sgd" s="$SOAP+sgd-plain" m="ssgd+muon-fp32"
+    race "second-order-gpt-fp32-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --seeds "${4:-0,1,2,3,4}" --max-steps 100 --eval-every 10 \
+        --strategies "ssgd+adamw@0.001;$m@0.01;ssgd+heavyball-soap@$2;$k@0.1;$s@$3" \
+        --compare "$s/$m;$k/$m;$s/ssgd+heavyball-soap;$s/ssgd+adamw;$m/ssgd+adamw"
+}
+
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
 # tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
 tune-second-order-digits-cnn() {
