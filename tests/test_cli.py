@@ -212,6 +212,17 @@ def test_config_file_under_the_command_line(tmp_path: Path) -> None:
     assert (args.batch_size, args.epochs, args.nodes) == (8, 2, DEFAULT_NODES)
 
 
+def test_a_negated_switch_is_configured_by_its_own_name(tmp_path: Path) -> None:
+    """``no-progress = true`` turns the bar off; ``progress``, the flag's destination, is
+    not a key: it would read the other way round."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("no-progress = false\n")
+    assert parse_command_line(["train", "--config", str(cfg)]).progress is True
+    cfg.write_text("progress = true\n")
+    with pytest.raises(ValueError, match="unknown key 'progress'"):
+        parse_command_line(["train", "--config", str(cfg)])
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -22,7 +22,8 @@ def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 def _config_flags(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The flags of a subcommand a run config may set, by long name with underscores
-    (``no_progress`` for ``--no-progress``, whose destination is ``progress``)."""
+    (``no_progress`` for ``--no-progress``, whose destination ``progress`` would read the
+    other way round)."""
     out = {}
     for a in sub._actions:
         if a.option_strings and a.dest not in _NOT_CONFIGURABLE:
