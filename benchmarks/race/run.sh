@@ -150,6 +150,15 @@ second-order-gpt-fp32() {  # BANDWIDTH HB_LR SOAP_LR [SEEDS]
         --compare "$s/$m;$k/$m;$s/ssgd+heavyball-soap;$s/ssgd+adamw;$m/ssgd+adamw"
 }
 
+# The SOAP mode against Muon alone (float32 Newton-Schulz), for the slow link where a
+# five-entry race takes about an hour here.
+second-order-gpt-muon() {  # BANDWIDTH SOAP_LR [SEEDS]
+    local s="$SOAP+sgd-plain" m="ssgd+muon-fp32"
+    race "second-order-gpt-muon-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --seeds "${3:-0,1,2}" --max-steps 100 --eval-every 10 \
+        --strategies "$m@0.01;$s@$2" --compare "$s/$m"
+}
+
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
 # tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
 tune-second-order-digits-cnn() {

@@ -43,6 +43,14 @@ def _tensors(params: Iterable[Any]) -> list[torch.Tensor]:
     return out
 
 
+def _evaluate(closure: Callable[[], float] | None) -> float | None:
+    """The optimizer protocol's closure: the loss recomputed with gradients, if given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def orthogonalise(
     update: torch.Tensor,
     dtype: torch.dtype,
@@ -86,10 +94,7 @@ class Muon32(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Muon step over every 2-D parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), group["momentum"]
             for p in group["params"]:
@@ -189,10 +194,7 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One step of both halves (the closure, if any, is evaluated once)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for o in self._inner():
             o.step()
         return loss
