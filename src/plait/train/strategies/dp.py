@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from plait.comm import Collective
+from plait.comm.fusion import DDP_DEFAULT_BUCKET_MB
 from plait.dp.api import compressor_of, data_parallel
 from plait.dp.compress import compressor_class, compressor_names
 from plait.train.strategy import Strategy, check_options, keyword_options, register_strategy
@@ -50,13 +51,13 @@ def check_compressor(strategy: str, compression: str, options: dict[str, Any]) -
 class DataParallel(Strategy):
     """DDP with the compressor named by the strategy; its options go to the compressor."""
 
-    def __init__(self, *, compression: str, bucket_cap_mb: float = 25.0, **options: Any) -> None:
+    def __init__(
+        self, *, compression: str, bucket_cap_mb: float | None = None, **options: Any
+    ) -> None:
         cls = compressor_class(compression)  # fail early on an unknown name
         check_options(compression, options, [*DDP_OPTIONS, *keyword_options(cls)])
         check_ddp_options(compression, {"bucket_cap_mb": bucket_cap_mb, **options})
-        if getattr(cls, "single_bucket", False) and (
-            bucket_cap_mb != 25.0 or "final_bucket_mb" in options
-        ):
+        if cls.single_bucket and (bucket_cap_mb is not None or "final_bucket_mb" in options):
             raise ValueError(
                 f"strategy {compression!r} runs in one DDP bucket (its hook cannot pair "
                 "several buckets' collectives on gloo): bucket_cap_mb and final_bucket_mb "
@@ -67,7 +68,7 @@ class DataParallel(Strategy):
         )
         self.name = compression
         self.compression = compression
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = DDP_DEFAULT_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb
         self.options = options
         self._model: nn.Module | None = None
         self._pending_state: dict[str, Any] | None = None
