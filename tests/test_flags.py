@@ -72,14 +72,6 @@ def test_an_exclusive_group_refuses_both() -> None:
     assert "--colour C" in p.format_usage()
 
 
-def test_only_some_fields_and_unknown_ones() -> None:
-    p = argparse.ArgumentParser()
-    add_options(p, _Config, only=("name", "loud"))
-    assert {a.dest for a in p._actions} == {"help", "name", "loud"}
-    with pytest.raises(ValueError, match=r"no flagged fields \['hidden'\]"):
-        add_options(argparse.ArgumentParser(), _Config, only=("hidden",))
-
-
 def test_a_field_type_without_a_flag_form_is_a_programming_error() -> None:
     @dataclass
     class Bad:

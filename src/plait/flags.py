@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from collections.abc import Iterable, Sequence
-from dataclasses import MISSING, Field, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal
 
 _KEY = "plait.flag"
@@ -65,7 +65,7 @@ def _scalar(hint: Any) -> tuple[type, tuple[str, ...] | None]:
         return type(values[0]), tuple(str(v) for v in values)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         for arg in typing.get_args(hint):
-            if arg is not type(None) and (arg in (str, int, float, bool) or _is_literal(arg)):
+            if arg in (str, int, float, bool) or typing.get_origin(arg) is Literal:
                 return _scalar(arg)
         raise TypeError(f"no flag type in {hint!r}")
     if hint in (str, int, float, bool):
@@ -73,35 +73,21 @@ def _scalar(hint: Any) -> tuple[type, tuple[str, ...] | None]:
     raise TypeError(f"no flag type for {hint!r}")
 
 
-def _is_literal(hint: Any) -> bool:
-    return typing.get_origin(hint) is Literal
-
-
-def _flagged(config: type, only: Iterable[str] | None) -> list[tuple[Field[Any], Option, Any]]:
+def _flagged(config: type) -> list[tuple[Field[Any], Option, Any]]:
+    """`config`'s fields declared with `option`: the field, its flag and its type hint."""
     hints = typing.get_type_hints(config)
-    wanted = None if only is None else set(only)
-    out = []
-    for f in fields(config):
-        meta = f.metadata.get(_KEY)
-        if meta is None or (wanted is not None and f.name not in wanted):
-            continue
-        out.append((f, meta, hints[f.name]))
-    if wanted is not None and (missing := wanted - {f.name for f, _, _ in out}):
-        raise ValueError(f"{config.__name__} has no flagged fields {sorted(missing)}")
-    return out
+    return [(f, f.metadata[_KEY], hints[f.name]) for f in fields(config) if _KEY in f.metadata]
 
 
-def add_options(
-    parser: argparse.ArgumentParser, config: type, *, only: Iterable[str] | None = None
-) -> None:
-    """Add a flag for every `option` field of the dataclass `config` (or those in `only`).
+def add_options(parser: argparse.ArgumentParser, config: type) -> None:
+    """Add a flag for every `option` field of the dataclass `config`.
 
     Raises:
         TypeError: a field's type has no flag form (a programming error in the config).
     """
     groups: dict[str, Any] = {}
-    for f, meta, hint in _flagged(config, only):
-        default = f.default if f.default is not MISSING else None
+    for f, meta, hint in _flagged(config):
+        default = f.default  # `option` always gives one
         target: Any = parser
         if meta.exclusive is not None:
             if meta.exclusive not in groups:
@@ -130,4 +116,4 @@ def add_options(
 def values_of(args: argparse.Namespace, config: type) -> dict[str, Any]:
     """The parsed values of `config`'s flagged fields, by field name (those present)."""
     parsed = vars(args)
-    return {f.name: parsed[f.name] for f, _, _ in _flagged(config, None) if f.name in parsed}
+    return {f.name: parsed[f.name] for f, _, _ in _flagged(config) if f.name in parsed}
