@@ -10,7 +10,10 @@ of three moments: the activations' peak, with the gradients only where they alre
 then (DDP's buckets, a 1F1B pipeline); the end of backward, with every gradient; and the
 optimizer's update. Activation sizes are measured on the model itself
 (`measure_activations`, whose count of saved tensors already runs a few percent above the
-meter, so no headroom is added), not assumed; the model is checked against the meter on
+meter, so no headroom is added), not assumed, and so is the share of them tensor
+parallelism splits (read from the block's own tensor plan); a pipeline's stages are
+counted one by one (the first keeps the embeddings', the last the head's and every
+micro-batch's output); the model is checked against the meter on
 every plan shape the planner can choose, on the bundled and Hugging Face workloads
 (benchmarks/parallel/memory-candidates).
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +64,13 @@ def format_bytes(n: float) -> str:
 
 
 # ------------------------------------------------------------------ measurements
+#: Share of a block's saved activations that tensor parallelism splits, where a profile
+#: has none measured (built by hand; a model without a tensor plan cannot be split
+#: anyway). Measured shares (`measure_activations`) are 0.75 on the bundled GPT, 0.83 on
+#: the Hugging Face GPT-2, 0.80 on BERT and 0.65 on Llama.
+TP_SPLIT_SHARE = 0.9
+
+
 @dataclass(frozen=True, kw_only=True)
 class ActivationProfile:
     """Bytes saved for backward per sample: in one block, and outside the blocks.
@@ -73,12 +83,31 @@ class ActivationProfile:
             gradients of its activations a few at a time, about two of the largest (the
             GPT's MLP hidden), not a whole block's worth: counting a block over-estimated
             the tiny Hugging Face GPT-2's peak by 30%.
+        head: the part of `other` saved after the last block (final norm, head, loss), per
+            sample; the rest is saved before the first (embeddings). A pipeline's first
+            and last stages hold one each.
+        head_largest: the largest tensor saved outside the blocks, per sample (the
+            logits' log-softmax of a language model). The loss's backward holds two of
+            its size at the start of backward (the tiny Llama's peak on the meter).
+        output: the model's output per sample (the logits). A pipeline's last stage
+            keeps every micro-batch's output until the step ends (the schedule returns
+            them): under the tiny Llama's `tp=2,pp=2` two micro-batches' logits were a
+            fifth of the last stage's peak.
+        tp_split: share of `block` that tensor parallelism splits over its ranks (without
+            sequence parallelism): what is computed from a column-parallel layer's output
+            up to a row-parallel layer's input. Measured on the block's own tensor plan
+            (`_SplitTracer`): it differs by model (`TP_SPLIT_SHARE`); Llama's RMSNorms
+            save whole-width tensors that no tensor-parallel rank splits.
     """
 
     block: float
     other: float
     block_input: float
     largest: float = 0.0
+    head: float = 0.0
+    head_largest: float = 0.0
+    output: float = 0.0
+    tp_split: float = TP_SPLIT_SHARE
 
 
 def measure_activations(
@@ -93,8 +122,12 @@ def measure_activations(
     per_block: dict[int, int] = {}
     seen: set[int] = set()
     inputs: list[int] = []
+    tracer = _SplitTracer()
 
-    largest = [0]
+    largest = {True: 0, False: 0}  # in a block, outside
+    after_blocks = [False]
+    head = [0]
+    split_bytes = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage().data_ptr()
@@ -102,8 +135,11 @@ def measure_activations(
             seen.add(key)
             size = t.untyped_storage().nbytes()
             per_block[current[0]] = per_block.get(current[0], 0) + size
-            if current[0] >= 0:
-                largest[0] = max(largest[0], size)
+            head[0] += size if after_blocks[0] and current[0] < 0 else 0
+            inside = current[0] >= 0
+            largest[inside] = max(largest[inside], size)
+            if inside:
+                split_bytes[0] += size if tracer.is_split(t) else 0
         return t
 
     handles = []
@@ -114,16 +150,24 @@ def measure_activations(
             if i == 0 and args:
                 inputs.append(args[0].numel() * args[0].element_size())
 
-        def post(*_: Any) -> None:
+        def post(*_: Any, last: bool = i == len(blocks) - 1) -> None:
             current[0] = -1
+            after_blocks[0] = last
 
         handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+        handles += tracer.watch(block, _tensor_plan(adapter, block))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen |= params
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn(model(x), y)
-        del loss
+        with tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            output = sum(
+                t.untyped_storage().nbytes()
+                for t in tree_leaves(dict(out) if isinstance(out, Mapping) else out)
+                if isinstance(t, torch.Tensor)
+            )
+            loss = loss_fn(out, y)
+        del loss, out
     finally:
         for h in handles:
             h.remove()
@@ -134,8 +178,76 @@ def measure_activations(
         block=block_total / n_blocks / n,
         other=per_block.get(-1, 0) / n,
         block_input=(inputs[0] if inputs else 0) / n,
-        largest=largest[0] / n,
+        largest=largest[True] / n,
+        head_largest=largest[False] / n,
+        head=head[0] / n,
+        output=output / n,
+        tp_split=split_bytes[0] / block_total if tracer.watched and block_total else TP_SPLIT_SHARE,
     )
+
+
+def _tensor_plan(adapter: Any, block: nn.Module) -> dict[str, Any]:
+    """The block's tensor-parallel styles, or none for a model without a tensor plan."""
+    try:
+        return dict(adapter.block_plan(block, sequence_parallel=False))
+    except ValueError:
+        return {}
+
+
+class _SplitTracer(TorchDispatchMode):
+    """Which tensors of a forward tensor parallelism would split over its ranks.
+
+    A column-parallel layer's output is split (its output features are); so is whatever
+    an operator computes from a split tensor; a row-parallel layer's output is whole again
+    (its all-reduce). Norms, residuals and a column-parallel layer's input stay whole.
+    Storages are followed while alive (an address freed and reused is not confused).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._split: dict[int, Any] = {}
+        self.watched = False
+
+    def watch(self, block: nn.Module, styles: dict[str, Any]) -> list[Any]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from plait.parallel.derive import FusedColwiseParallel
+
+        handles = []
+        for name, style in styles.items():
+            try:
+                module = block.get_submodule(name)
+            except AttributeError:
+                continue
+            if isinstance(style, (ColwiseParallel, FusedColwiseParallel)):
+                handles.append(module.register_forward_hook(lambda _m, _a, out: self._mark(out)))
+                self.watched = True
+            elif isinstance(style, RowwiseParallel):
+                handles.append(module.register_forward_hook(lambda _m, _a, out: self._unmark(out)))
+        return handles
+
+    def is_split(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self._split
+
+    def _mark(self, out: Any) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._split:
+                    self._split[key] = weakref.ref(storage)
+                    weakref.finalize(storage, self._split.pop, key, None)
+
+    def _unmark(self, out: Any) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._split.pop(t.untyped_storage()._cdata, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(a, torch.Tensor) and self.is_split(a) for a in tree_leaves(args)):
+            self._mark(out)
+        return out
 
 
 # ------------------------------------------------------------------------- model
@@ -190,13 +302,6 @@ class MemoryEstimate:
         return self.params + self.optimizer + max(during, after, update)
 
 
-#: Share of a block's saved activations that tensor parallelism splits (projections, MLP
-#: hidden, attention) when norms and residuals stay replicated (no sequence parallelism).
-#: Measured on the GPT (benchmarks/parallel/memory.md): `dp=2,tp=2` peaks with 0.55 of a
-#: block's activations per rank at this share, within 2% of the meter.
-TP_SPLIT_SHARE = 0.9
-
-
 def in_flight(plan: Plan) -> int:
     """(Micro-batch, stage) pairs whose activations a rank holds at once, at most."""
     m = plan.n_microbatches()
@@ -210,6 +315,23 @@ def in_flight(plan: Plan) -> int:
     # last stage runs its backward straight after its forward, one pair fewer
     pairs = min(2 * m, 3 * plan.pp)
     return pairs - 1 if plan.schedule is Schedule.ZERO_BUBBLE else pairs
+
+
+def _stage_activations(
+    plan: Plan, rank: int, kept: float, acts: ActivationProfile, mb: float
+) -> float:
+    """What pipeline rank `rank` (one stage) keeps saved at once under GPipe or 1F1B.
+
+    GPipe holds every micro-batch on every stage; 1F1B holds ``pp - rank`` on rank
+    `rank` (the first stage warms up the most). The first stage also keeps the
+    embeddings' activations, the last the head's: counting the head on the first stage's
+    in-flight micro-batches over-estimated the tiny Llama's 1F1B peak by 25%.
+    """
+    m = plan.n_microbatches()
+    n = m if plan.schedule is Schedule.GPIPE else min(m, plan.pp - rank)
+    last = rank == plan.pp - 1
+    ends = (acts.other - acts.head) * (rank == 0) + acts.head * last
+    return n * (kept + ends * mb) + m * acts.output * mb * last
 
 
 def backward_beside_forward(plan: Plan) -> bool:
@@ -354,7 +476,7 @@ def estimate_memory(
     # activations
     local_samples = global_batch / dp
     mb = local_samples / plan.n_microbatches()
-    split = 1 / tp if plan.sp else (TP_SPLIT_SHARE / tp + 1 - TP_SPLIT_SHARE)
+    split = 1 / tp if plan.sp else (acts.tp_split / tp + 1 - acts.tp_split)
     per_block = acts.block * split * mb
     stage_blocks = math.ceil(dims.layers / stages)
     # a block's backward temporaries (`ActivationProfile.largest`) ride on everything
@@ -363,9 +485,33 @@ def estimate_memory(
     temporaries = 2 * acts.largest * split * mb
     kept = stage_blocks * (acts.block_input * mb if plan.ac else per_block)
     # a first stage keeps the embeddings' activations of every micro-batch in flight
-    activations = (
-        in_flight(plan) * (kept + acts.other * mb) + (per_block if plan.ac else 0.0) + temporaries
-    )
+    other = acts.other * mb
+    recomputed = per_block if plan.ac else 0.0
+    if plan.ac and pp == 1:
+        # without a pipeline the head's activations (the logits and their log-softmax)
+        # are freed by its backward before the first block is recomputed: the two peak
+        # apart (Hugging Face Llama under dp=4,ac=true: counting both over-estimated the
+        # meter by 17%)
+        recomputed = max(per_block - other, 0.0)
+    loss_grads = 2 * acts.head_largest * mb
+    if pp > 1 and plan.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        # on the last stage the micro-batch being differentiated has freed its head's
+        # activations before its blocks are recomputed, as without a pipeline
+        last_recomputed = max(per_block - acts.head * mb, 0.0) if plan.ac else 0.0
+        activations = max(
+            _stage_activations(plan, r, kept, acts, mb)
+            + (
+                max(last_recomputed + temporaries, loss_grads)
+                if r == pp - 1
+                else recomputed + temporaries
+            )
+            for r in range(pp)
+        )
+    else:
+        # backward starts in the loss: two gradients of the logits' size beside all that
+        # is saved (the two moments peak apart)
+        held = in_flight(plan) * (kept + other)
+        activations = held + max(recomputed + temporaries, loss_grads)
     if fsdp and pp == 1:
         saved = kept / len(block_bytes) if block_bytes else 0.0
         buffers = fsdp_backward_held(
