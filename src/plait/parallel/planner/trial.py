@@ -1,10 +1,10 @@
 """Trial runs: shortlisted plans train for real, metered; the fastest that fits wins.
 
 The price model cannot see everything (host overheads of a backend, contention on a
-machine); between near ties a short measurement decides. Nor is its memory exact: fitted
-to measured peaks, it errs on both sides (0.87-1.11 of the meter on the bundled GPT), so a
-plan predicted just under the budget can run over it (a 79.2 MiB prediction metered 83.0
-MiB against an 80 MiB budget). Each trial therefore meters the plan's peak as well as its
+machine); between near ties a short measurement decides. Nor is its memory exact: it
+errs on both sides (0.86-1.11 of the meter on the bundled and Hugging Face workloads), so
+a plan predicted just under the budget can run over it (a 79.2 MiB prediction metered
+83.0 MiB against an 80 MiB budget). Each trial therefore meters the plan's peak as well as its
 time, and a plan over the budget is replaced by the next layout, never chosen.
 """
 
