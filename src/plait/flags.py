@@ -199,7 +199,7 @@ def parse(
     *,
     prog: str,
     description: str | None = None,
-    formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter,
+    verbatim: bool = False,
 ) -> T:
     """The `config` a command line describes: `config`'s flags, parsed and built.
 
@@ -208,16 +208,15 @@ def parse(
         argv: the arguments (``None``: ``sys.argv[1:]``).
         prog: the command's name in the usage line (``python -m plait.bench.fidelity``).
         description: the text ``--help`` prints above the flags.
-        formatter_class: argparse's help formatter (``RawDescriptionHelpFormatter`` keeps
-            a description's own line breaks).
+        verbatim: print `description` as written, not refilled: a module docstring with
+            a command line or a list keeps its layout.
 
     Raises:
         SystemExit: ``--help`` (status 0), or a bad command line or a value `config`
             refuses with ValueError (status 2, with the usage and the message).
     """
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=formatter_class
-    )
+    layout = argparse.RawDescriptionHelpFormatter if verbatim else argparse.HelpFormatter
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=layout)
     add_options(parser, config)
     return _build(parser, config, parser.parse_args(argv))
 
