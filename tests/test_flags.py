@@ -4,6 +4,7 @@ fields, and parsing hands back the config's own keyword arguments (or the config
 from __future__ import annotations
 
 import argparse
+import ast
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -174,3 +175,20 @@ def test_flag_forms_argparse_gets_wrong_are_programming_errors(declared: object)
 
     with pytest.raises(TypeError, match="default"):
         add_options(argparse.ArgumentParser(), Bad)
+
+
+def test_benchmarks_take_their_flags_from_configs() -> None:
+    """No benchmark module builds a parser of its own: its command line is generated from
+    a config dataclass (`plait.flags`), so flags and config cannot drift apart."""
+    bench = Path(__file__).parents[1] / "src" / "plait" / "bench"
+    offenders = []
+    for path in sorted(bench.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if "argparse" in names:
+                offenders.append(str(path.relative_to(bench)))
+    assert not offenders, f"argparse imported in {offenders}; declare a config (plait.flags)"
