@@ -1,15 +1,17 @@
 """Flags generated from a typed config: types, choices, switches and groups come from the
-fields, and parsing hands back the config's own keyword arguments."""
+fields, and parsing hands back the config's own keyword arguments (or the config itself)."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import ast
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
-from plait.flags import add_options, option, values_of
+from plait.flags import add_options, option, parse, parse_command, values_of
 
 
 @dataclass(kw_only=True)
@@ -93,3 +95,100 @@ def test_train_config_is_its_flags_schema() -> None:
     values = values_of(parsed, TrainConfig)
     assert set(values) == {f.name for f in fields(TrainConfig)} - {"synthetic_samples"}
     assert config_from_args(parsed) == TrainConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Command:
+    inputs: tuple[Path, ...] = option(MISSING, "input files", positional=True, metavar="IN")
+    out: Path = option(MISSING, "output folder")
+    memory: tuple[str, ...] = option(MISSING, "memory files", nargs="+")
+    run: tuple[str, ...] = option((), "a run; repeat the flag for more")
+    child: str | None = option(None, "for the program itself", hidden=True)
+    repeats: int = option(5)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+
+
+def test_parse_builds_the_config_with_required_positional_and_repeated_flags() -> None:
+    cfg = parse(_Command, ["a", "b", "--out", "o", "--memory", "m", "n"], prog="cmd")
+    assert cfg == _Command(inputs=(Path("a"), Path("b")), out=Path("o"), memory=("m", "n"))
+    argv = ["a", "--out", "o", "--memory", "m", "--run", "x", "--run", "y", "--child", "c"]
+    cfg = parse(_Command, argv, prog="cmd")
+    assert cfg.run == ("x", "y") and cfg.child == "c"  # lists come back as the tuples typed
+
+
+def test_parse_refuses_missing_required_flags_and_values_the_config_refuses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, message in (
+        (["a", "--memory", "m"], "the following arguments are required: --out"),
+        (["--out", "o", "--memory", "m"], "the following arguments are required: IN"),
+        (["a", "--out", "o", "--memory", "m", "--repeats", "0"], "--repeats must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(_Command, argv, prog="cmd")
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: cmd") and message in err
+
+
+def test_help_lists_the_flags_but_a_hidden_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(_Command, ["--help"], prog="cmd", description="what it does")
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    usage = "usage: cmd [-h] --out OUT --memory MEMORY [MEMORY ...] [--run RUN]"
+    assert text.startswith(usage) and "IN [IN ...]" in text
+    assert "what it does" in text and "--repeats REPEATS\n" in text  # empty help: bare
+    assert "--child" not in text
+
+
+def test_parse_command_builds_the_named_subcommands_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    commands = {"one": (_Config, "the first"), "two": (_Command, "the second")}
+    assert parse_command(commands, ["one", "--count", "2"], prog="cmd") == _Config(count=2)
+    two = parse_command(commands, ["two", "a", "--out", "o", "--memory", "m"], prog="cmd")
+    assert isinstance(two, _Command) and two.inputs == (Path("a"),)
+    with pytest.raises(SystemExit):
+        parse_command(commands, ["two", "a", "--out", "o", "--memory", "m", "--repeats", "0"],
+                      prog="cmd")  # fmt: skip
+    assert capsys.readouterr().err.startswith("usage: cmd two")  # the subcommand's usage
+    with pytest.raises(SystemExit):
+        parse_command(commands, [], prog="cmd")
+    assert "required: command" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [
+        option((Path("x"),), "a repeated flag with a default"),  # argparse would append to it
+        option("x", "a positional with a default", positional=True),
+    ],
+)
+def test_flag_forms_argparse_gets_wrong_are_programming_errors(declared: object) -> None:
+    @dataclass
+    class Bad:
+        value: tuple[Path, ...] = declared  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="default"):
+        add_options(argparse.ArgumentParser(), Bad)
+
+
+def test_benchmarks_take_their_flags_from_configs() -> None:
+    """No benchmark module builds a parser of its own: its command line is generated from
+    a config dataclass (`plait.flags`), so flags and config cannot drift apart."""
+    bench = Path(__file__).parents[1] / "src" / "plait" / "bench"
+    offenders = []
+    for path in sorted(bench.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if "argparse" in names:
+                offenders.append(str(path.relative_to(bench)))
+    assert not offenders, f"argparse imported in {offenders}; declare a config (plait.flags)"

@@ -6,13 +6,18 @@ exclusive group) beside the field's type and default. `add_options` then writes 
 flags into an argparse parser, and `values_of` reads a parsed namespace back into the
 config's keyword arguments, so a field is declared once and its flag, default, type,
 choices and help cannot drift from it (`plait train` and ``python -m plait.train`` both
-build their flags from `plait.train.config.TrainConfig`).
+build their flags from `plait.train.config.TrainConfig`). A command whose flags are one
+config's reads them with `parse`; one with subcommands, a config each, with
+`parse_command`.
 
 The flag of field ``batch_size`` is ``--batch-size``; its type is the field's, with
-``None`` dropped (``int | None`` parses as ``int``; the first of ``str``, ``int`` and
-``float`` in a union is taken); a ``Literal`` type gives the choices. A boolean field that
-defaults to True is turned off by ``--no-<name>``; one that defaults to False is turned on
-by ``--<name>``. Fields without `option` have no flag.
+``None`` dropped (``int | None`` parses as ``int``; the first of ``str``, ``int``,
+``float`` and ``Path`` in a union is taken); a ``Literal`` type gives the choices. A boolean
+field that defaults to True is turned off by ``--no-<name>``; one that defaults to False is
+turned on by ``--<name>``. A field without a default (``option(MISSING, ...)``) is a
+required flag. A ``tuple[X, ...]`` field takes several values, by repeating its flag
+(``--run a --run b``) or, with ``nargs="+"``, after one (``--memory a b``). A positional
+field is an argument without a flag. Fields without `option` have no flag.
 """
 
 from __future__ import annotations
@@ -20,11 +25,17 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from collections.abc import Sequence
-from dataclasses import Field, dataclass, field, fields
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 _KEY = "plait.flag"
+_SCALARS = (str, int, float, bool, Path)
+#: The namespace attribute `parse_command` stores the chosen subcommand under.
+_COMMAND = "command"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,26 +46,44 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     exclusive: str | None = None
+    positional: bool = False
+    nargs: Literal["+"] | None = None
+    hidden: bool = False
 
 
 def option(
     default: Any,
-    help: str,
+    help: str = "",
     *,
     metavar: str | None = None,
     choices: Sequence[str] | None = None,
     exclusive: str | None = None,
+    positional: bool = False,
+    nargs: Literal["+"] | None = None,
+    hidden: bool = False,
 ) -> Any:
     """A dataclass field with a flag: `default`, and the flag's `help`.
 
     Args:
-        default: the field's default (also the flag's).
-        help: the flag's help text.
+        default: the field's default (also the flag's); ``dataclasses.MISSING`` for none,
+            which makes the flag required (declare the config ``kw_only``).
+        help: the flag's help text; empty gives the flag a bare line in ``--help``.
         metavar: the value's name in the usage line (default: argparse's).
         choices: allowed values, where the field's type is a plain ``str``.
         exclusive: fields naming the same group are mutually exclusive flags.
+        positional: an argument without a flag, named by `metavar` (required: no default).
+        nargs: ``"+"``: a ``tuple[X, ...]`` field's values follow one flag, not one each.
+        hidden: left out of ``--help``: a flag for the program's own use, not a user's.
     """
-    meta = Option(help, metavar, None if choices is None else tuple(choices), exclusive)
+    meta = Option(
+        help,
+        metavar,
+        None if choices is None else tuple(choices),
+        exclusive,
+        positional,
+        nargs,
+        hidden,
+    )
     return field(default=default, metadata={_KEY: meta})
 
 
@@ -65,12 +94,22 @@ def _scalar(hint: Any) -> tuple[type, tuple[str, ...] | None]:
         return type(values[0]), tuple(str(v) for v in values)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         for arg in typing.get_args(hint):
-            if arg in (str, int, float, bool) or typing.get_origin(arg) is Literal:
+            if arg in _SCALARS or typing.get_origin(arg) is Literal:
                 return _scalar(arg)
         raise TypeError(f"no flag type in {hint!r}")
-    if hint in (str, int, float, bool):
+    if hint in _SCALARS:
         return hint, None
     raise TypeError(f"no flag type for {hint!r}")
+
+
+def _items(hint: Any) -> Any:
+    """The item type of a ``tuple[X, ...]`` hint (a flag of several values), else None."""
+    if typing.get_origin(hint) is not tuple:
+        return None
+    args = typing.get_args(hint)
+    if len(args) != 2 or args[1] is not Ellipsis:
+        raise TypeError(f"no flag type for {hint!r}: a flag's values are a tuple[X, ...]")
+    return args[0]
 
 
 def _flagged(config: type) -> list[tuple[Field[Any], Option, Any]]:
@@ -87,33 +126,128 @@ def add_options(parser: argparse.ArgumentParser, config: type) -> None:
     """
     groups: dict[str, Any] = {}
     for f, meta, hint in _flagged(config):
-        default = f.default  # `option` always gives one
+        default = f.default
         target: Any = parser
         if meta.exclusive is not None:
             if meta.exclusive not in groups:
                 groups[meta.exclusive] = parser.add_mutually_exclusive_group()
             target = groups[meta.exclusive]
         name = f.name.replace("_", "-")
-        kind, choices = _scalar(hint)
+        text = argparse.SUPPRESS if meta.hidden else meta.help
+        item = _items(hint)
+        kind, choices = _scalar(hint if item is None else item)
         if kind is bool:
             if default:
-                target.add_argument(
-                    f"--no-{name}", dest=f.name, action="store_false", help=meta.help
-                )
+                target.add_argument(f"--no-{name}", dest=f.name, action="store_false", help=text)
             else:
-                target.add_argument(f"--{name}", action="store_true", help=meta.help)
+                target.add_argument(f"--{name}", action="store_true", help=text)
             continue
-        kw: dict[str, Any] = {"default": default, "help": meta.help}
+        kw: dict[str, Any] = {"help": text}
+        if default is MISSING:
+            if not meta.positional:  # argparse: a positional is required by its nature
+                kw["required"] = True
+        elif meta.positional:
+            raise TypeError(f"{f.name}: a positional argument has no default")
+        elif item is not None and not meta.nargs and default:
+            # argparse appends a repeated flag's values to its default, never replaces it
+            raise TypeError(f"{f.name}: a repeated flag's default must be empty")
+        else:
+            kw["default"] = list(default) if item is not None else default
         if kind is not str:
             kw["type"] = kind
         if meta.choices or choices:
             kw["choices"] = list(meta.choices or choices or ())
         if meta.metavar is not None:
             kw["metavar"] = meta.metavar
-        target.add_argument(f"--{name}", **kw)
+        if item is not None:
+            if meta.nargs or meta.positional:
+                kw["nargs"] = "+"
+            else:
+                kw["action"] = "append"
+        target.add_argument(f.name if meta.positional else f"--{name}", **kw)
 
 
 def values_of(args: argparse.Namespace, config: type) -> dict[str, Any]:
-    """The parsed values of `config`'s flagged fields, by field name (those present)."""
+    """The parsed values of `config`'s flagged fields, by field name (those present).
+
+    A flag of several values, parsed into a list, comes back as the field's tuple.
+    """
     parsed = vars(args)
-    return {f.name: parsed[f.name] for f, _, _ in _flagged(config) if f.name in parsed}
+    out: dict[str, Any] = {}
+    for f, _, _ in _flagged(config):
+        if f.name in parsed:
+            value = parsed[f.name]
+            out[f.name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def _build(parser: argparse.ArgumentParser, config: type[T], args: argparse.Namespace) -> T:
+    """`config` from the parsed `args`; its ValueError is the command line's usage error.
+
+    A config's constructor checks its values (ranges, names), so a bad value is refused
+    the way argparse refuses a bad type: the usage, the message, exit status 2.
+    """
+    try:
+        return config(**values_of(args, config))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def parse(
+    config: type[T],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str | None = None,
+    verbatim: bool = False,
+) -> T:
+    """The `config` a command line describes: `config`'s flags, parsed and built.
+
+    Args:
+        config: a dataclass whose `option` fields are the command's flags.
+        argv: the arguments (``None``: ``sys.argv[1:]``).
+        prog: the command's name in the usage line (``python -m plait.bench.fidelity``).
+        description: the text ``--help`` prints above the flags.
+        verbatim: print `description` as written, not refilled: a module docstring with
+            a command line or a list keeps its layout.
+
+    Raises:
+        SystemExit: ``--help`` (status 0), or a bad command line or a value `config`
+            refuses with ValueError (status 2, with the usage and the message).
+    """
+    layout = argparse.RawDescriptionHelpFormatter if verbatim else argparse.HelpFormatter
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=layout)
+    add_options(parser, config)
+    return _build(parser, config, parser.parse_args(argv))
+
+
+def parse_command(
+    commands: Mapping[str, tuple[type, str]],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str | None = None,
+) -> object:
+    """The config of the subcommand a command line names, built from its flags.
+
+    Args:
+        commands: each subcommand's name, its config dataclass and its one-line help.
+        argv: the arguments (``None``: ``sys.argv[1:]``), the subcommand first.
+        prog: the command's name in the usage line.
+        description: the text ``--help`` prints above the subcommands.
+
+    Returns:
+        An instance of the named subcommand's config (tell which with ``isinstance``).
+
+    Raises:
+        SystemExit: as `parse` does, a missing or unknown subcommand included.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest=_COMMAND, required=True)
+    parsers: dict[str, argparse.ArgumentParser] = {}
+    for name, (config, help) in commands.items():
+        parsers[name] = sub.add_parser(name, help=help)
+        add_options(parsers[name], config)
+    args = parser.parse_args(argv)
+    name = getattr(args, _COMMAND)
+    return _build(parsers[name], commands[name][0], args)

@@ -15,13 +15,12 @@ the distributed K-FAC is tested to precondition exactly like a single process).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from plait.bench.records import (
     ConvergenceSummary,
     RunMeta,
 )
+from plait.flags import option, parse
 from plait.records import pyplot, save_figure, write_report
 from plait.train.config import TrainConfig
 from plait.train.loop import Trainer
@@ -155,7 +155,7 @@ def plot(records: Sequence[ConvergenceRun], summary: ConvergenceSummary, path: P
     save_figure(fig, path, dpi=120)
 
 
-def _parse_runs(specs: list[str], seeds: list[int]) -> list[Run]:
+def _parse_runs(specs: Sequence[str], seeds: list[int]) -> list[Run]:
     runs = []
     for spec in specs:
         strategy, at, lrs = spec.rpartition("@")
@@ -176,25 +176,44 @@ def _init_single_process_group() -> None:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ConvergenceConfig:
+    """The command line of ``python -m plait.bench.convergence`` (`plait.flags`).
+
+    Attributes:
+        workload: the workload trained on its real data.
+        run: a strategy and its learning rates, ``STRATEGY@LR[,LR...]``; one per flag.
+        target: the test accuracy each run is timed to.
+        steps: training steps of every run.
+        eval_every: steps between evaluations.
+        batch_size: samples per step (default: the workload's training batch).
+        seeds: the seeds of every (strategy, learning rate), comma-separated.
+        baseline: the strategy the others are compared with.
+        out: the report's folder (default: print the table only).
+    """
+
+    workload: str = option("mlp")
+    run: tuple[str, ...] = option(MISSING, "STRATEGY@LR[,LR...]")
+    target: float = option(0.95, "test accuracy to reach")
+    steps: int = option(300)
+    eval_every: int = option(5)
+    batch_size: int | None = option(None)
+    seeds: str = option("0,1,2")
+    baseline: str = option("ssgd", "strategy the others are compared with")
+    out: str | None = option(None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    cfg = parse(
+        ConvergenceConfig,
+        argv,
         prog="python -m plait.bench.convergence",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        verbatim=True,
     )
-    p.add_argument("--workload", default="mlp")
-    p.add_argument("--run", action="append", required=True, help="STRATEGY@LR[,LR...]")
-    p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--baseline", default="ssgd", help="strategy the others are compared with")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    batch = args.batch_size or get_workload(args.workload).train_batch
-    runs = _parse_runs(args.run, seeds)
+    seeds = [int(s) for s in cfg.seeds.split(",")]
+    batch = cfg.batch_size or get_workload(cfg.workload).train_batch
+    runs = _parse_runs(cfg.run, seeds)
     torch.set_num_threads(1)
     _init_single_process_group()
     records: list[ConvergenceRun] = []
@@ -204,12 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         for run in tqdm(runs, desc="convergence", unit="run", file=sys.stdout):
             curve = run_one(
                 run,
-                workload=args.workload,
-                steps=args.steps,
-                eval_every=args.eval_every,
+                workload=cfg.workload,
+                steps=cfg.steps,
+                eval_every=cfg.eval_every,
                 batch_size=batch,
             )
-            hit = steps_to(curve, args.target)
+            hit = steps_to(curve, cfg.target)
             records.append(
                 ConvergenceRun(
                     strategy=run.strategy,
@@ -221,15 +240,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         dist.destroy_process_group()
-    summary = summarise(records, args.target)
-    table = markdown(summary, baseline=args.baseline)
+    summary = summarise(records, cfg.target)
+    table = markdown(summary, baseline=cfg.baseline)
     print(table, end="")
-    if args.out:
+    if cfg.out:
         command = " ".join(["python -m plait.bench.convergence", *sys.argv[1:]])
-        meta = RunMeta(workload=args.workload, batch_size=batch).stamped(command=command)
+        meta = RunMeta(workload=cfg.workload, batch_size=batch).stamped(command=command)
         report = ConvergenceReport(meta=meta, summary=summary, runs=records)
         write_report(
-            Path(args.out),
+            Path(cfg.out),
             report.to_dict(),
             title="Convergence",
             command=command,

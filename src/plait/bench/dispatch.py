@@ -20,7 +20,6 @@ bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.cpu import AVX2_PINS
+from plait.flags import option, parse
 
 #: Each setting as another host would make its choice (environment, threads).
 SETTINGS: dict[str, tuple[dict[str, str], int]] = {
@@ -194,35 +194,55 @@ def markdown(rows: list[dict[str, Any]], *, accuracy: float, loss: float) -> str
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """The command line of ``python -m plait.bench.dispatch`` (its flags, `plait.flags`).
+
+    Attributes:
+        child: a setting's training config as JSON: the process `run_setting` starts
+            trains it and prints its run (hidden from ``--help``).
+        workload: the workload trained.
+        optimizer: its optimizer.
+        lr: its learning rate.
+        batch: samples per step.
+        steps: training steps of every setting.
+        eval_every: steps between evaluations on the held-out split.
+        seed: weights and data order of every setting.
+        accuracy: the held-out accuracy target each run is timed to.
+        loss: the held-out loss target each run is timed to.
+        out: folder for ``results.json`` and ``results.md`` (default: print the table only).
+    """
+
+    child: str | None = option(None, hidden=True)
+    workload: str = option("digits-cnn")
+    optimizer: str = option("adamw")
+    lr: float = option(0.01)
+    batch: int = option(128, "4 workers x 32, as the race")
+    steps: int = option(150)
+    eval_every: int = option(5)
+    seed: int = option(0)
+    accuracy: float = option(0.97)
+    loss: float = option(0.1)
+    out: str | None = option(None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.bench.dispatch")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--workload", default="digits-cnn")
-    parser.add_argument("--optimizer", default="adamw")
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--batch", type=int, default=128, help="4 workers x 32, as the race")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--accuracy", type=float, default=0.97)
-    parser.add_argument("--loss", type=float, default=0.1)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    if args.child is not None:
-        print(json.dumps(_child(json.loads(args.child))))
+    cfg = parse(DispatchConfig, argv, prog="python -m plait.bench.dispatch")
+    if cfg.child is not None:
+        print(json.dumps(_child(json.loads(cfg.child))))
         return 0
     config = {
-        k: getattr(args, k)
+        k: getattr(cfg, k)
         for k in ("workload", "optimizer", "lr", "batch", "steps", "eval_every", "seed")
     }
     runs = [run_setting(name, config) for name in SETTINGS]
-    rows = compare(runs, accuracy=args.accuracy, loss=args.loss)
-    text = markdown(rows, accuracy=args.accuracy, loss=args.loss)
+    rows = compare(runs, accuracy=cfg.accuracy, loss=cfg.loss)
+    text = markdown(rows, accuracy=cfg.accuracy, loss=cfg.loss)
     print(text, end="")
-    if args.out:
+    if cfg.out:
         from plait.records import provenance, write_json, write_markdown
 
-        out = Path(args.out)
+        out = Path(cfg.out)
         meta = provenance(
             command=" ".join(["python -m plait.bench.dispatch", *(argv or sys.argv[1:])])
         )

@@ -15,17 +15,18 @@ It writes ``DIR/results.json`` (the training summaries, with the command) and
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 from plait._proc import keep_scratch, scratch_dir
 from plait.bench.records import FidelityRecord
 from plait.cluster import Cluster, NetworkSpec, launch
+from plait.flags import option, parse
 from plait.records import stamp, write_report
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
@@ -119,36 +120,50 @@ def markdown(records: Sequence[FidelityRecord]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m plait.bench.fidelity", description=__doc__)
-    p.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
-    p.add_argument(
-        "--strategies",
-        default="ssgd,acpsgd:rank=4",
-        help="strategy specs separated by ';' (or by ',' between names)",
+@dataclass(frozen=True, kw_only=True)
+class FidelityConfig:
+    """The command line of ``python -m plait.bench.fidelity`` (its flags, `plait.flags`).
+
+    Attributes:
+        workload: the workloads trained, comma-separated.
+        strategies: the strategy specs, separated by ``;`` (or by ``,`` between names);
+            the first is the reference.
+        nodes: the emulated cluster's nodes.
+        epochs: training epochs (default: each workload's own).
+        bandwidth: the link rate (it changes the time, not the model trained).
+        seed: weights and data order of every run.
+        out: the folder of ``results.json`` and ``results.md``.
+    """
+
+    workload: str = option("resnet18", "workload(s), comma-separated")
+    strategies: str = option(
+        "ssgd,acpsgd:rank=4", "strategy specs separated by ';' (or by ',' between names)"
     )
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=None, help="default: each workload's own")
-    p.add_argument("--bandwidth", default="fast", help="link rate (speed plays no part here)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory")
-    args = p.parse_args(argv)
+    nodes: int = option(4)
+    epochs: int | None = option(None, "default: each workload's own")
+    bandwidth: str = option("fast", "link rate (speed plays no part here)")
+    seed: int = option(0)
+    out: str = option(MISSING, "output directory")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(FidelityConfig, argv, prog="python -m plait.bench.fidelity", description=__doc__)
     from plait.specs import split_specs
 
     command = "python -m plait.bench.fidelity " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     records = run_fidelity(
-        workloads=[w.strip() for w in args.workload.split(",") if w.strip()],
-        strategies=split_specs(args.strategies),
-        nodes=args.nodes,
-        epochs=args.epochs,
-        bandwidth=args.bandwidth,
-        seed=args.seed,
+        workloads=[w.strip() for w in cfg.workload.split(",") if w.strip()],
+        strategies=split_specs(cfg.strategies),
+        nodes=cfg.nodes,
+        epochs=cfg.epochs,
+        bandwidth=cfg.bandwidth,
+        seed=cfg.seed,
         command=command,
     )
     table = markdown(records)
-    write_report(Path(args.out), records, title="Fidelity", command=command, body=table)
+    write_report(Path(cfg.out), records, title="Fidelity", command=command, body=table)
     print(table)
     return 0
 

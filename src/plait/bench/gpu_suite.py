@@ -29,7 +29,6 @@ it, so the command a lent machine gets has run before it gets there.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -41,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from plait.flags import option, parse
 
 #: The whole suite's wall-clock budget (seconds): 9 minutes of a lent machine's 15, which
 #: leaves its start, the transfer of the tree and of the results, and a rerun of one part.
@@ -371,25 +372,37 @@ def _write(
     (out / "README.md").write_text(summary(env, results, dry_run=dry_run))
 
 
+@dataclass(frozen=True, kw_only=True)
+class SuiteConfig:
+    """The command line of ``python -m plait.bench.gpu_suite`` (its flags, `plait.flags`).
+
+    Attributes:
+        out: the suite's folder (its ``.tar.gz`` is written beside it).
+        dry_run: the same parts, small, on the CPU: the suite's rehearsal.
+        budget_s: seconds the whole suite may take.
+    """
+
+    out: Path = option(Path("runs/gpu-suite"))
+    dry_run: bool = option(False, "the same parts, small, on the CPU (< 1 minute)")
+    budget_s: float = option(DEFAULT_BUDGET_S)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m plait.bench.gpu_suite", description=__doc__.split("\n\n")[0]
+    cfg = parse(
+        SuiteConfig,
+        argv,
+        prog="python -m plait.bench.gpu_suite",
+        description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--out", type=Path, default=Path("runs/gpu-suite"))
-    parser.add_argument(
-        "--dry-run", action="store_true", help="the same parts, small, on the CPU (< 1 minute)"
-    )
-    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S)
-    args = parser.parse_args(argv)
-    if args.budget_s <= 0:
+    if cfg.budget_s <= 0:
         print("gpu-suite: --budget-s must be > 0", file=sys.stderr)
         return 2
     try:
-        ok = run_suite(args.out, dry_run=args.dry_run, budget_s=args.budget_s)
+        ok = run_suite(cfg.out, dry_run=cfg.dry_run, budget_s=cfg.budget_s)
     except ValueError as exc:
         print(f"gpu-suite: {exc}", file=sys.stderr)
         return 2
-    print((args.out / "README.md").read_text())
+    print((cfg.out / "README.md").read_text())
     return 0 if ok else 1
 
 

@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from plait.bench.records import BenchRecord
 from plait.comm import AlphaBeta
 from plait.comm import stats as comm_stats
 from plait.comm.probe import probe_allreduce
+from plait.flags import option, parse
 from plait.records import write_json
 from plait.trace import COMPUTE, OPTIM, span, tracer
 from plait.train.loop import seed_everything
@@ -385,19 +386,29 @@ def spec_name(spec: str) -> str:
     return spec.partition(":")[0]
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """The worker's command line (`plait.flags`), as `plait.bench.runner` launches it.
+
+    Attributes:
+        spec: the job's `BenchSpec` as JSON (`spec_to_json`).
+        out: where the main rank writes the job's records.
+    """
+
+    spec: Path = option(MISSING, "the job's BenchSpec", positional=True, metavar="SPEC.json")
+    out: Path = option(MISSING, "the records written", positional=True, metavar="OUT.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point: ``python -m plait.bench.harness SPEC.json OUT.json``."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m plait.bench.harness SPEC.json OUT.json", file=sys.stderr)
-        return 2
-    spec = BenchSpec(**json.loads(Path(args[0]).read_text()))
+    cfg = parse(WorkerConfig, argv, prog="python -m plait.bench.harness")
+    spec = BenchSpec(**json.loads(cfg.spec.read_text()))
     pdist.init_distributed()
     try:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         records = run_benchmark(spec)
         if pdist.is_main():
-            write_json(records, Path(args[1]), indent=2)
+            write_json(records, cfg.out, indent=2)
     finally:
         pdist.shutdown()
     return 0

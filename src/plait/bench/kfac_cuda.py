@@ -23,7 +23,6 @@ clocks and other load affect them alike.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.flags import option, parse
 from plait.kfac import KFAC, KFACConfig
 from plait.records import provenance, write_json, write_markdown
 from plait.train.loop import build_optimizer
@@ -146,37 +146,54 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, kw_only=True)
+class KfacCudaConfig:
+    """The command line of ``python -m plait.bench.kfac_cuda`` (its flags, `plait.flags`).
+
+    Attributes:
+        workload: the workload whose model is timed.
+        batch: samples per step.
+        steps: timed steps of every entry (the median is reported).
+        warmup: untimed steps of every entry before them.
+        device: ``cuda``, or ``cpu`` to rehearse the entries.
+        out: folder for ``results.json`` and ``results.md`` (default: print the table only).
+    """
+
+    workload: str = option("resnet18")
+    batch: int = option(128)
+    steps: int = option(30)
+    warmup: int = option(5)
+    device: str = option("cuda", "cuda (default) or cpu")
+    out: Path | None = option(None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m plait.bench.kfac_cuda", description=__doc__.split("\n\n")[0]
+    cfg = parse(
+        KfacCudaConfig,
+        argv,
+        prog="python -m plait.bench.kfac_cuda",
+        description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--workload", default="resnet18")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
     try:
         rows = measure(
-            workload=args.workload, batch=args.batch, steps=args.steps, warmup=args.warmup,
-            device=args.device,
+            workload=cfg.workload, batch=cfg.batch, steps=cfg.steps, warmup=cfg.warmup,
+            device=cfg.device,
         )  # fmt: skip
     except ValueError as e:
         print(f"kfac_cuda: {e}", file=sys.stderr)
         return 2
     meta = {
-        "workload": args.workload, "batch": args.batch, "steps": args.steps,
-        "warmup": args.warmup,
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "workload": cfg.workload, "batch": cfg.batch, "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "device_name": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
         "torch": torch.__version__, **provenance(),
     }  # fmt: skip
     text = markdown(rows, meta)
     sys.stdout.write(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json({"meta": meta, "rows": rows}, args.out / "results.json")
-        write_markdown(text, args.out / "results.md")
+    if cfg.out is not None:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        write_json({"meta": meta, "rows": rows}, cfg.out / "results.json")
+        write_markdown(text, cfg.out / "results.md")
     return 0
 
 

@@ -16,11 +16,11 @@ gets), median of `repeats`:
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from plait.bench.core import Stats
 from plait.bench.records import KernelRecord, KernelReport, RunMeta
+from plait.flags import option, parse
 from plait.kfac import triangle
 from plait.kfac.factors import Method, SecondOrder, decompose, pack, precondition
 from plait.kfac.layers import KFACLayer, make_layer
@@ -156,29 +157,48 @@ def markdown(records: list[KernelRecord]) -> str:
     return "".join(out)
 
 
+@dataclass(frozen=True, kw_only=True)
+class KernelsConfig:
+    """The command line of ``python -m plait.bench.kfac_kernels`` (`plait.flags`).
+
+    Attributes:
+        workload: the workload whose layers' shapes are timed.
+        repeats: timings of every kernel (the median is reported); at least one.
+        out: the report's folder (default: print the table only).
+
+    Raises:
+        ValueError: `repeats` below 1.
+    """
+
+    workload: str = option("resnet18")
+    repeats: int = option(5)
+    out: Path | None = option(None)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m plait.bench.kfac_kernels", description=__doc__.splitlines()[0]
+    cfg = parse(
+        KernelsConfig,
+        argv,
+        prog="python -m plait.bench.kfac_kernels",
+        description=__doc__.splitlines()[0],
     )
-    parser.add_argument("--workload", default="resnet18")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    records = measure(workload=args.workload, repeats=args.repeats)
+    records = measure(workload=cfg.workload, repeats=cfg.repeats)
     command = " ".join(
         ["python -m plait.bench.kfac_kernels", *(sys.argv[1:] if argv is None else argv)]
     )
-    meta = RunMeta(workload=args.workload).stamped(command=command)
+    meta = RunMeta(workload=cfg.workload).stamped(command=command)
     text = markdown(records)
     footer = f"\ncommit {meta.commit}, torch {meta.torch}, 1 intra-op thread\n"
     print(text + footer, end="")
-    if args.out is not None:
+    if cfg.out is not None:
         write_report(
-            args.out,
+            cfg.out,
             KernelReport(meta=meta, layers=records).to_dict(),
-            title=f"K-FAC kernels on {args.workload}'s layers, one core",
+            title=f"K-FAC kernels on {cfg.workload}'s layers, one core",
             command=command,
             body=text,
             footer=footer,

@@ -23,12 +23,11 @@ PyTorch's hook's ``start_powerSGD_iter``), ``acpsgd:rank=R[,warmup=K][,start=pow
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from plait.dp.compress.lowrank import (
     RankPolicy,
     orthonormalize_rows_,
 )
+from plait.flags import option, parse
 from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
 from plait.specs import parse_spec, split_specs
 from plait.workloads import get_workload
@@ -269,43 +269,62 @@ def plot(traces: Sequence[StepTrace], path: Path, target: float | None) -> Path:
     return save_figure(fig, path, dpi=120, outside=[legend])
 
 
+@dataclass(frozen=True, kw_only=True)
+class LowrankStepsConfig:
+    """The command line of ``python -m plait.bench.lowrank_steps`` (`plait.flags`).
+
+    Attributes:
+        workload: the workload trained on its real data.
+        methods: the methods compared (module docstring), separated by ``;``.
+        workers: the data-parallel workers emulated.
+        steps: training steps of every method.
+        batch_size: samples per worker and step (default: the workload's training batch).
+        lr: the learning rate (default: the workload's).
+        optimizer: the optimizer stepped.
+        seed: weights and data order of every method.
+        eval_every: steps between held-out evaluations.
+        target: the held-out loss each method's steps are counted to (default: none).
+        out: the folder of ``results.json``, ``results.md`` and ``results.png``.
+    """
+
+    workload: str = option("gpt")
+    methods: str = option(MISSING, "';'-separated method specs")
+    workers: int = option(4)
+    steps: int = option(80)
+    batch_size: int | None = option(None)
+    lr: float | None = option(None)
+    optimizer: str = option("adamw")
+    seed: int = option(0)
+    eval_every: int = option(10)
+    target: float | None = option(None)
+    out: str = option(MISSING)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.bench.lowrank_steps")
-    parser.add_argument("--workload", default="gpt")
-    parser.add_argument("--methods", required=True, help="';'-separated method specs")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--optimizer", default="adamw")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--target", type=float, default=None)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    cfg = parse(LowrankStepsConfig, argv, prog="python -m plait.bench.lowrank_steps")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     traces = run(
-        workload=args.workload,
-        methods=split_specs(args.methods),
-        workers=args.workers,
-        steps=args.steps,
-        batch=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        target=args.target,
+        workload=cfg.workload,
+        methods=split_specs(cfg.methods),
+        workers=cfg.workers,
+        steps=cfg.steps,
+        batch=cfg.batch_size,
+        lr=cfg.lr,
+        optimizer=cfg.optimizer,
+        seed=cfg.seed,
+        eval_every=cfg.eval_every,
+        target=cfg.target,
     )
-    out = Path(args.out)
+    out = Path(cfg.out)
     meta = provenance(command=" ".join(["python -m plait.bench.lowrank_steps", *sys.argv[1:]]))
     write_json({"provenance": meta, "traces": [asdict(t) for t in traces]}, out / "results.json")
     write_markdown(
         f"# Low-rank compressors step by step\n\nCommand: `{meta['command']}`\n\n"
-        + markdown(traces, args.target),
+        + markdown(traces, cfg.target),
         out / "results.md",
     )
-    plot(traces, out / "results.png", args.target)
-    print(markdown(traces, args.target), end="")
+    plot(traces, out / "results.png", cfg.target)
+    print(markdown(traces, cfg.target), end="")
     return 0
 
 

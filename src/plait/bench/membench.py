@@ -10,9 +10,9 @@ peak of the second step, next to the memory model's prediction and the single-pr
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from plait import comm
 from plait import distributed as pdist
 from plait.bench.records import MemoryRecord
+from plait.flags import option, parse
 from plait.parallel.adapters import adapter_for
 from plait.parallel.api import ParallelModel
 from plait.parallel.memory import (
@@ -161,28 +162,42 @@ def write(records: list[MemoryRecord], out: Path, *, command: str) -> dict[str, 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.bench.membench")
-    parser.add_argument("--workload", default="gpt")
-    parser.add_argument(
-        "--plans",
-        required=True,
-        help="plans separated by ';', or 'candidates': every shape the planner can choose",
+@dataclass(frozen=True, kw_only=True)
+class MembenchConfig:
+    """The command line of ``plait.bench.membench`` (its flags, `plait.flags`).
+
+    Attributes:
+        workload: the workload whose benchmark model is measured.
+        plans: the plans measured, separated by ``;``, or ``candidates``.
+        batch_size: per-worker batch (default: the workload's benchmark batch).
+        out: the folder of ``memory.json`` and ``memory.md``.
+    """
+
+    workload: str = option("gpt")
+    plans: str = option(
+        MISSING, "plans separated by ';', or 'candidates': every shape the planner can choose"
     )
-    parser.add_argument("--batch-size", type=int, default=None, help="per-worker batch")
-    parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    batch_size: int | None = option(None, "per-worker batch")
+    out: str = option(MISSING, "output directory")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(
+        MembenchConfig,
+        sys.argv[1:] if argv is None else argv,
+        prog="python -m plait.bench.membench",
+    )
     pdist.init_distributed()
     try:
         torch.set_num_threads(1)
-        if args.plans == "candidates":
-            plans = candidate_shapes(args.workload, pdist.world_size(), batch=args.batch_size)
+        if cfg.plans == "candidates":
+            plans = candidate_shapes(cfg.workload, pdist.world_size(), batch=cfg.batch_size)
         else:
-            plans = [p.strip() for p in args.plans.split(";") if p.strip()]
-        records = run(args.workload, plans, batch=args.batch_size)
+            plans = [p.strip() for p in cfg.plans.split(";") if p.strip()]
+        records = run(cfg.workload, plans, batch=cfg.batch_size)
         if pdist.is_main():
             launch = f"plait run --nodes {pdist.world_size()} -m -- plait.bench.membench"
-            write(records, Path(args.out), command=" ".join([launch, *(argv or sys.argv[1:])]))
+            write(records, Path(cfg.out), command=" ".join([launch, *(argv or sys.argv[1:])]))
     finally:
         pdist.shutdown()
     return 0

@@ -15,14 +15,15 @@ measurements of one plan in one job differ only by the machine's noise)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
 from plait.bench.core import Stats
 from plait.bench.records import MemoryRecord, ScoreRow
+from plait.flags import option, parse
 from plait.parallel.memory import format_bytes, parse_bytes
 from plait.records import write_json, write_markdown
 
@@ -121,24 +122,41 @@ def markdown(rows: list[ScoreRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ScorecardConfig:
+    """The command line of ``python -m plait.bench.scorecard`` (its flags, `plait.flags`).
+
+    Attributes:
+        results: ``plait bench`` ``results.json`` files, explicit and automatic plans.
+        memory: `plait.bench.membench` ``memory.json`` files of the same plans.
+        out: where to write the Markdown table (and its JSON beside it); default: none.
+    """
+
+    results: tuple[str, ...] = option(
+        MISSING, "plait bench results.json files", positional=True, nargs="+"
+    )
+    memory: tuple[str, ...] = option(MISSING, "membench memory.json files", nargs="+")
+    out: str | None = option(None, "write the Markdown table here")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.bench.scorecard")
-    parser.add_argument("results", nargs="+", help="plait bench results.json files")
-    parser.add_argument("--memory", required=True, nargs="+", help="membench memory.json files")
-    parser.add_argument("--out", default=None, help="write the Markdown table here")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    records = [r for path in args.results for r in json.loads(Path(path).read_text())]
+    cfg = parse(
+        ScorecardConfig,
+        sys.argv[1:] if argv is None else argv,
+        prog="python -m plait.bench.scorecard",
+    )
+    records = [r for path in cfg.results for r in json.loads(Path(path).read_text())]
     peaks = {
         m.plan: max(m.peak_bytes)
-        for path in args.memory
+        for path in cfg.memory
         for m in map(MemoryRecord.from_dict, json.loads(Path(path).read_text()))
     }
     rows = score(records, peaks)
     text = markdown(rows)
     print(text)
-    if args.out:
-        write_markdown(text, Path(args.out))
-        write_json(rows, Path(args.out).with_suffix(".json"), indent=2)
+    if cfg.out:
+        write_markdown(text, Path(cfg.out))
+        write_json(rows, Path(cfg.out).with_suffix(".json"), indent=2)
     return 0
 
 

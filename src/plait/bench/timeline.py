@@ -17,11 +17,13 @@ import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
 from plait.bench.core import Stats
 from plait.bench.records import TimelineRow
+from plait.flags import option, parse
 from plait.trace import COMM, COMPUTE, FACTOR, INVERSE, PRECONDITION
 
 Event = dict[str, Any]
@@ -127,12 +129,27 @@ def markdown(rows: Sequence[TimelineRow]) -> str:
     return head + body
 
 
+@dataclass(frozen=True, kw_only=True)
+class TimelineConfig:
+    """The command line of ``python -m plait.bench.timeline`` (`plait.flags`).
+
+    Attributes:
+        trace: a merged ``plait bench --trace`` file (``.json`` or ``.json.gz``).
+    """
+
+    trace: str = option(
+        MISSING, "a merged plait bench --trace", positional=True, metavar="TRACE.json[.gz]"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m plait.bench.timeline TRACE.json[.gz]", file=sys.stderr)
-        return 2
-    print(markdown(breakdown(args[0])), end="")
+    cfg = parse(
+        TimelineConfig,
+        argv,
+        prog="python -m plait.bench.timeline",
+        description=__doc__.split("\n\n")[0],
+    )
+    print(markdown(breakdown(cfg.trace)), end="")
     return 0
 
 

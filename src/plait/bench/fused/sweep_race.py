@@ -30,7 +30,6 @@ do, `plait.fused.sweep.runner`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -44,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ import optuna
 from plait._proc import usable_cpus
 from plait.bench.core import Order, Stats, schedule
 from plait.cpu import read_jiffies
+from plait.flags import option, parse
 from plait.records import provenance, pyplot, save_figure, write_report
 
 #: Named in full: run as ``python -m``, ``__name__`` is ``__main__``, outside the ``plait``
@@ -804,87 +804,80 @@ def write_results(
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    # The dataclass's defaults, without building a config (its checks need a thread count).
-    defaults = argparse.Namespace(
-        **{f.name: f.default for f in fields(RaceConfig) if f.default is not MISSING}
-    )
-    p = argparse.ArgumentParser(
-        prog="python -m plait.bench.fused.sweep_race",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--trials", type=int, default=defaults.trials, help="trials per sweep")
-    p.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs per trial")
-    p.add_argument("--repeats", type=int, default=defaults.repeats, help="runs of every mode")
-    p.add_argument(
-        "--concurrent",
-        type=int,
-        default=defaults.concurrent,
-        help="processes of the concurrent mode (default: %(default)s)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="threads in all, split among concurrent processes (default: the usable CPUs)",
-    )
-    p.add_argument(
-        "--max-models", type=int, default=defaults.max_models, help="largest fused array"
-    )
-    p.add_argument("--workload", default=defaults.workload, help="the workload swept")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="weights and data order")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=defaults.timeout,
-        help="seconds one mode's run may take before its processes are killed",
-    )
-    p.add_argument(
-        "--tolerance",
-        type=float,
-        default=defaults.tolerance,
-        help="how far apart the best validation accuracies may be and agree",
-    )
-    p.add_argument("--out", default=None, help="report folder (default: print the table only)")
-    return p
+@dataclass(frozen=True, kw_only=True)
+class RaceFlags:
+    """The command line (`plait.flags`): a `RaceConfig`'s fields and the report's folder.
 
+    Kept apart from `RaceConfig`, whose thread count defaults to the usable CPUs when it is
+    built, while the flag's default is "not given"; the other defaults are `RaceConfig`'s
+    own, so the two cannot drift. Building the flags checks them (ValueError naming the
+    flag), so that `plait.flags.parse` refuses a bad command line before anything runs.
 
-def _config(args: argparse.Namespace) -> RaceConfig:
-    """The race of the parsed arguments; a bad value raises ValueError naming it."""
-    from plait.workloads import WORKLOADS, is_factory_spec
+    Attributes:
+        threads: as `RaceConfig`'s; None for the usable CPUs.
+        out: the report's folder (default: print the table only).
+    """
 
-    if not is_factory_spec(args.workload) and args.workload not in WORKLOADS:
-        raise ValueError(
-            f"--workload {args.workload!r}: unknown; choose from {', '.join(WORKLOADS)} "
-            "or give a factory pkg.module:factory"
+    trials: int = option(RaceConfig.trials, "trials per sweep")
+    epochs: int = option(RaceConfig.epochs, "epochs per trial")
+    repeats: int = option(RaceConfig.repeats, "runs of every mode")
+    concurrent: int = option(
+        RaceConfig.concurrent, "processes of the concurrent mode (default: %(default)s)"
+    )
+    threads: int | None = option(
+        None, "threads in all, split among concurrent processes (default: the usable CPUs)"
+    )
+    max_models: int = option(RaceConfig.max_models, "largest fused array")
+    workload: str = option(RaceConfig.workload, "the workload swept")
+    seed: int = option(RaceConfig.seed, "weights and data order")
+    timeout: float = option(
+        RaceConfig.timeout, "seconds one mode's run may take before its processes are killed"
+    )
+    tolerance: float = option(
+        RaceConfig.tolerance, "how far apart the best validation accuracies may be and agree"
+    )
+    out: str | None = option(None, "report folder (default: print the table only)")
+
+    def __post_init__(self) -> None:
+        self.race()
+
+    def race(self) -> RaceConfig:
+        """The race of these flags; a bad value raises ValueError naming its flag."""
+        from plait.workloads import WORKLOADS, is_factory_spec
+
+        if not is_factory_spec(self.workload) and self.workload not in WORKLOADS:
+            raise ValueError(
+                f"--workload {self.workload!r}: unknown; choose from {', '.join(WORKLOADS)} "
+                "or give a factory pkg.module:factory"
+            )
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"--out {self.out!r}: exists and is not a folder")
+        return RaceConfig(
+            trials=self.trials,
+            epochs=self.epochs,
+            repeats=self.repeats,
+            concurrent=self.concurrent,
+            threads=self.threads if self.threads is not None else usable_cpus(),
+            max_models=self.max_models,
+            workload=self.workload,
+            seed=self.seed,
+            timeout=self.timeout,
+            tolerance=self.tolerance,
         )
-    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out!r}: exists and is not a folder")
-    return RaceConfig(
-        trials=args.trials,
-        epochs=args.epochs,
-        repeats=args.repeats,
-        concurrent=args.concurrent,
-        threads=args.threads if args.threads is not None else usable_cpus(),
-        max_models=args.max_models,
-        workload=args.workload,
-        seed=args.seed,
-        timeout=args.timeout,
-        tolerance=args.tolerance,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the race, print its table, and write the reports with ``--out``."""
     from plait.log import configure
 
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        cfg = _config(args)
-    except ValueError as e:
-        parser.error(str(e))
+    flags = parse(
+        RaceFlags,
+        argv,
+        prog="python -m plait.bench.fused.sweep_race",
+        description=__doc__,
+        verbatim=True,
+    )
+    cfg = flags.race()
     configure()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study created
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -894,8 +887,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(runs, tolerance=cfg.tolerance)
     table = markdown_table(summary, cfg)
     print(table, end="")
-    if args.out is not None:
-        paths = write_results(Path(args.out), cfg, runs, summary, command=command, meta=meta)
+    if flags.out is not None:
+        paths = write_results(Path(flags.out), cfg, runs, summary, command=command, meta=meta)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
