@@ -22,7 +22,6 @@ from plait import comm
 from plait import distributed as pdist
 from plait.bench.records import MemoryRecord
 from plait.flags import option, parse
-from plait.parallel.adapters import adapter_for
 from plait.parallel.api import ParallelModel
 from plait.parallel.memory import (
     PeakMemory,
@@ -32,6 +31,7 @@ from plait.parallel.memory import (
     model_state_bytes,
 )
 from plait.parallel.plan import Plan
+from plait.parallel.resolve import adapter_for
 from plait.records import write_json, write_markdown
 
 logger = logging.getLogger(__name__)

@@ -202,25 +202,13 @@ def register_adapter(
     return deco
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
-    """The adapter registered for the most specific class of `model`.
-
-    A model of no registered class gets a plan derived from its structure
-    (`plait.parallel.derive`) when it has a stack of repeated blocks, and otherwise the
-    fallback adapter (data parallelism and ZeRO only).
-    """
-    from plait.parallel.derive import derived_adapter
-
+def registered_adapter(model: nn.Module) -> ModelAdapter | None:
+    """The adapter registered for the most specific class of `model`, if any (what a
+    model gets when none is: `plait.parallel.resolve.adapter_for`)."""
     for cls in type(model).__mro__:
         if cls in _ADAPTERS:
-            adapter = _ADAPTERS[cls]
-            # a chain of repeated blocks (an MLP of residual blocks) shards them by tensor
-            if type(adapter) is SequentialAdapter and not adapter._layers(model):
-                derived = derived_adapter(model)
-                if derived is not None and derived.dims(model).layers:
-                    return derived
-            return adapter
-    return derived_adapter(model) or ModelAdapter()
+            return _ADAPTERS[cls]
+    return None
 
 
 class BoundUnit(nn.Module):

@@ -1,4 +1,4 @@
-"""`parallelize`: a sequential model and its optimizer, spread over the world by a `Plan`.
+"""`ParallelModel`: a sequential model and its optimizer, spread over the world by a `Plan`.
 
 The order of application follows the engines' contracts: the adapter's conversions, then
 the pipeline split, tensor/sequence parallelism of the blocks (DTensor), activation
@@ -32,7 +32,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.comm import ops
-from plait.parallel.adapters import ModelAdapter, Unit, adapter_for
+from plait.parallel.adapters import ModelAdapter, Unit
 from plait.parallel.gradsync import GradientSync
 from plait.parallel.mesh import ParallelMesh
 from plait.parallel.pipeline import (
@@ -43,6 +43,7 @@ from plait.parallel.pipeline import (
     stage_indices,
 )
 from plait.parallel.plan import Plan, ZeroStage
+from plait.parallel.resolve import adapter_for
 from plait.parallel.tensor import apply_tensor_parallel, checkpoint_activations
 from plait.workloads import logits_of
 
@@ -405,51 +406,3 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def parallelize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    plan: Plan | str = "auto",
-    *,
-    loss_fn: LossFn = cross_entropy,
-    sample: tuple[torch.Tensor, torch.Tensor] | None = None,
-    memory_bytes: int | None = None,
-) -> tuple[ParallelModel, torch.optim.Optimizer]:
-    """Spread `model` and `optimizer` over the current process group by `plan`.
-
-    Args:
-        model: the sequential model (same initial weights on every rank).
-        optimizer: a fresh optimizer over `model`'s parameters; it is rebuilt over the
-            parallel parameters with the same class, groups and hyper-parameters.
-        plan: a `Plan`, its text (``"dp=2,tp=2,zero=3"``) or ``"auto"`` (the planner picks
-            for this model, world, memory and the measured network; needs `sample`).
-        loss_fn: ``loss_fn(output, target)``, a mean over the batch.
-        sample: one per-rank batch ``(x, y)`` for the automatic planner.
-        memory_bytes: memory per device for the automatic planner (None: unlimited).
-
-    Returns:
-        The `ParallelModel` (train with ``model.step(x, y); optimizer.step()``) and the
-        optimizer to use.
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    if isinstance(plan, str):
-        if plan == "auto":
-            from plait.parallel.planner import auto_plan, optimizer_like
-
-            if sample is None:
-                raise ValueError('plan="auto" needs a sample batch (sample=(x, y))')
-            factory, states = optimizer_like(optimizer)
-            plan = auto_plan(
-                model,
-                sample=sample,
-                memory_bytes=memory_bytes,
-                loss_fn=loss_fn,
-                optimizer=factory,
-                optimizer_states=states,
-            ).plan
-        else:
-            plan = Plan.parse(plan)
-    pmodel = ParallelModel.build(model, plan, loss_fn=loss_fn)
-    optimizer._plait_names = names  # type: ignore[attr-defined]
-    return pmodel, pmodel.build_optimizer(optimizer)

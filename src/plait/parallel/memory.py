@@ -114,7 +114,7 @@ def measure_activations(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any
 ) -> ActivationProfile:
     """Run one forward of `model` on `(x, y)` and count what autograd saves, per sample."""
-    from plait.parallel.adapters import adapter_for
+    from plait.parallel.resolve import adapter_for
 
     adapter = adapter_for(model)
     blocks = [model.get_submodule(b) for b in adapter.blocks(model)]

@@ -17,7 +17,6 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AlphaBeta, CollectiveCosts
-from plait.parallel.adapters import adapter_for
 from plait.parallel.api import LossFn, OptimizerFactory, cross_entropy
 from plait.parallel.memory import format_bytes
 from plait.parallel.planner.price import Choice, Hardware, choose
@@ -30,6 +29,7 @@ from plait.parallel.planner.trial import (
     select,
     stand_in_optimizer,
 )
+from plait.parallel.resolve import adapter_for
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from plait import comm
 from plait._proc import usable_cpus
 from plait.distributed import new_group
-from plait.parallel.adapters import adapter_for
 from plait.parallel.api import LossFn, cross_entropy
 from plait.parallel.memory import measure_activations
 from plait.parallel.planner.price import ComputeProfile
+from plait.parallel.resolve import adapter_for
 from plait.workloads import logits_of
 
 

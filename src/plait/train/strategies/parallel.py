@@ -61,7 +61,7 @@ class PlanStrategy(Strategy):
         return self._model
 
     def check(self, model: nn.Module, *, world: int) -> None:
-        from plait.parallel.adapters import adapter_for
+        from plait.parallel.resolve import adapter_for
 
         if self.plan is not None:
             self.plan.validate(world=world, dims=adapter_for(model).dims(model))
