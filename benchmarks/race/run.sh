@@ -301,6 +301,16 @@ wan-link-deep() {  # SEEDS
         --compare "acpsgd:rank=16,bucket_cap_mb=2+adamw/$p;diloco:inner_steps=10,fragments=2,delay=2,compression=int4+adamw/$p"
 }
 
+# torchft's DiLoCo step at 25 Mbit beside plait's streaming entry (20 steps: two of its
+# synchronisations of the whole model). Its trajectory does not depend on the link, and
+# at `slow` it missed 2.55 in 300 steps on every seed (slow-link), so its time to the
+# deeper 2.45 is at least 300 of these steps; the race leaves it out for time.
+wan-link-torchft-step() {
+    "$PLAIT" bench --workload "$LINK" --nodes 4 --bandwidth 25mbit --steps 20 --warmup 2 \
+        --out "$OUT/wan-link-gpt-steps-torchft" \
+        --strategies "torchft-diloco:sync_every=10;diloco:inner_steps=10,fragments=2,delay=2,compression=int4"
+}
+
 # S-SGD's steps to the deeper target (unshaped: its steps do not depend on the link).
 wan-link-deep-ssgd() {  # SEEDS
     race "wan-link-gpt-deep-ssgd" --workload "$LINK" --metric loss --target 2.45 --nodes 4 \

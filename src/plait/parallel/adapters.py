@@ -22,8 +22,10 @@ Another model registers its own in a few lines::
 
     register_adapter(MyModel, MyAdapter())
 
-Models without an adapter still get data parallelism and ZeRO (the fallback adapter has no
-blocks, no tensor plan and no pipeline split).
+Models without an adapter get one derived from their structure where they have a stack of
+repeated blocks (`plait.parallel.derive`), and otherwise still get data parallelism and ZeRO
+(the fallback adapter has no blocks, no tensor plan and no pipeline split); which one a
+model gets is `plait.parallel.resolve.adapter_for`'s choice.
 """
 
 from __future__ import annotations
