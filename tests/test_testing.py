@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +50,29 @@ def test_workers_start_with_their_environment(monkeypatch: pytest.MonkeyPatch) -
         _environment_at_start, world_size=2, timeout_s=60, env={"PLAIT_TESTING_PROBE": "x"}
     )
     assert out == [["OMP_NUM_THREADS=1", "PLAIT_TESTING_PROBE=x"]] * 2
+    assert "PLAIT_TESTING_PROBE" not in os.environ
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs Linux /proc")
+def test_jobs_started_from_threads_get_their_own_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Jobs started at once from threads (as the crossover tests do) each start with their
+    own variables, and the caller's environment is left as it was."""
+    monkeypatch.delenv("PLAIT_TESTING_PROBE", raising=False)
+    out: dict[int, Any] = {}
+
+    def job(i: int) -> None:
+        out[i] = run_distributed(
+            _environment_at_start, world_size=2, timeout_s=120, env={"PLAIT_TESTING_PROBE": str(i)}
+        )
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert out == {i: [["OMP_NUM_THREADS=1", f"PLAIT_TESTING_PROBE={i}"]] * 2 for i in range(4)}
     assert "PLAIT_TESTING_PROBE" not in os.environ
 
 

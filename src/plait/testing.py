@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -119,10 +120,16 @@ def _spawn(
     # they load missed a value set later. gloo's callback threads (where compression hooks
     # decompress) then rounded the same product differently on two ranks, and ACP-SGD's
     # replicas drifted apart by one rounding in 3 of 20 loaded runs (0 of 24 inherited).
-    with _environ(base_env):
+    with _START_LOCK, _environ(base_env):
         for p in procs:
             p.start()
     return procs, results
+
+
+#: One start at a time: the environment is the process's, so two threads starting jobs at
+#: once (the crossover tests run three) would hand each other's variables to their
+#: workers, or none, and restore the caller's environment out of order.
+_START_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
