@@ -5,63 +5,78 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from plait._proc import scratch_dir
 from plait.cli.common import MAX_NODES, _bandwidths, int_at_least, workload_list, writable_file
 from plait.cluster.network import NetworkSpec, resolve_bandwidth
+from plait.flags import add_options, option
 from plait.units import parse_size
 
 #: Where `plait plan --data real` looks for races to rank strategies by time to target.
 DEFAULT_RACES = "benchmarks/race"
 
 
-def add_parser(sub: Any) -> None:
-    pl = sub.add_parser("plan", help="the automatic parallelism planner's choice and table")
-    pl.add_argument(
-        "--workload",
-        default="gpt",
-        help="a registered workload (mlp, resnet18, vgg, gpt) or a factory "
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """What `plait plan` plans for: the schema of its flags (`plait.flags`).
+
+    Attributes:
+        workload: the workload planned (one).
+        nodes: nodes of the cluster.
+        nproc_per_node: ranks per node.
+        memory: memory per device (a size), None for unlimited.
+        bandwidth: the link rate priced, or probed with `probe`.
+        probe: measure the network on an emulated cluster instead of the nominal rate.
+        data: ``synthetic`` prices the benchmark model and batch, ``real`` the training
+            ones.
+        batch_size: per-worker batch (default: the workload's).
+        slots: ranks computing at once (default: this machine's cores).
+        threads: intra-op threads per rank.
+        all: list every candidate plan, not the first 25.
+        json: also write the table as JSON here.
+        races: folders of race results that rank the data-parallel strategies.
+    """
+
+    workload: str = option(
+        "gpt",
+        "a registered workload (mlp, resnet18, vgg, gpt) or a factory "
         "pkg.module:factory / path/to/file.py:factory",
     )
-    pl.add_argument("--nodes", type=int, default=4, help="nodes of the cluster to plan for")
-    pl.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
-    pl.add_argument(
-        "--memory",
-        default=None,
-        help="memory per device: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 (default: none)",
+    nodes: int = option(4, "nodes of the cluster to plan for")
+    nproc_per_node: int = option(1, "ranks per node")
+    memory: str | None = option(
+        None, "memory per device: 2GiB = 2*2^30 bytes, 2GB = 2*10^9 (default: none)"
     )
-    pl.add_argument("--bandwidth", default="fast", help="link rate (tc rate or slow/balanced/fast)")
-    pl.add_argument(
-        "--probe",
-        action="store_true",
-        help="measure the network on an emulated cluster instead of the nominal rate",
+    bandwidth: str = option("fast", "link rate (tc rate or slow/balanced/fast)")
+    probe: bool = option(
+        False, "measure the network on an emulated cluster instead of the nominal rate"
     )
-    pl.add_argument(
-        "--data",
-        default="synthetic",
-        choices=["real", "synthetic"],
-        help="synthetic: the benchmark model and batch; real: the training ones",
+    data: Literal["real", "synthetic"] = option(
+        "synthetic", "synthetic: the benchmark model and batch; real: the training ones"
     )
-    pl.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
-    pl.add_argument(
-        "--slots",
-        type=int,
-        default=None,
-        help="ranks computing at once (default: this machine's cores, as when "
+    batch_size: int | None = option(None, "per-worker batch size")
+    slots: int | None = option(
+        None,
+        "ranks computing at once (default: this machine's cores, as when "
         "the cluster is emulated here)",
     )
-    pl.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    pl.add_argument("--all", action="store_true", help="list every candidate plan")
-    pl.add_argument("--json", default=None, help="also write the table as JSON here")
-    pl.add_argument(
-        "--races",
-        default=DEFAULT_RACES,
-        help="races (folders of plait race results) whose steps to target rank the "
+    threads: int = option(1, "intra-op threads per rank")
+    all: bool = option(False, "list every candidate plan")
+    json: str | None = option(None, "also write the table as JSON here")
+    races: str = option(
+        DEFAULT_RACES,
+        "races (folders of plait race results) whose steps to target rank the "
         "data-parallel strategies and optimizers by time to target (with --data real); "
         "'none' ranks them by projected step time",
     )
+
+
+def add_parser(sub: Any) -> None:
+    pl = sub.add_parser("plan", help="the automatic parallelism planner's choice and table")
+    add_options(pl, PlanConfig)
 
 
 def _data_parallel_advice(args: argparse.Namespace, world: int) -> Any:
