@@ -55,7 +55,7 @@ def _profiled_names(rank: int, world: int, specs: list[str]) -> list[set[str]]:
         )
         trainer = Trainer(cfg)
         try:
-            batch = next(trainer._batches(0, 0))
+            batch = next(trainer.batches(0, 0))
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 trainer.train_step([batch])
             names.append({e.name for e in prof.events()})

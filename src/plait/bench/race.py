@@ -40,19 +40,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Subset
 
 from plait import comm
 from plait import distributed as pdist
@@ -68,7 +65,7 @@ from plait.cpu import float_pins
 from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
 from plait.specs import split_specs
 from plait.train.config import OPTIMIZERS, TrainConfig
-from plait.train.loop import Trainer
+from plait.train.loop import Trainer, rng_state, set_rng_state
 from plait.train.strategies.kfac import KFACStrategy
 
 logger = logging.getLogger(__name__)
@@ -400,32 +397,6 @@ def read_results(path: Path) -> list[RaceResult]:
 
 
 # ------------------------------------------------------------------ the distributed job
-def _rng_state() -> tuple[Any, ...]:
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
-
-
-def _set_rng_state(state: tuple[Any, ...]) -> None:
-    torch.set_rng_state(state[0])
-    random.setstate(state[1])
-    np.random.set_state(state[2])
-
-
-def _batches(t: Trainer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The trainer's shard of the training data, epoch after epoch, in `plait train`'s order."""
-    epoch = 0
-    while True:
-        t.sampler.set_epoch(epoch)
-        loader = DataLoader(
-            Subset(t.data.train, list(t.sampler)),
-            batch_size=t.loader_batch,
-            shuffle=False,
-            drop_last=True,
-        )
-        for x, y in loader:
-            yield x.to(t.device), y.to(t.device)
-        epoch += 1
-
-
 def _max_over_ranks(value: float) -> float:
     return comm.reduce_floats([value], op="max", name="race time")[0]
 
@@ -442,8 +413,8 @@ class _Runner:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. K-FAC's "modules left unpreconditioned"
             self.trainer = Trainer(spec.train_config(entry, seed))
-        self.batches = _batches(self.trainer)
-        self.rng = _rng_state()
+        self.batches = self.trainer.stream()
+        self.rng = rng_state()
         self.step = 0
         self.train_s = 0.0
         self.eval_s = 0.0
@@ -496,7 +467,7 @@ class _Runner:
     def advance(self, steps: int, bar: Any) -> None:
         """Train up to `steps` steps (evaluating on schedule) unless the run is done."""
         t = self.trainer
-        _set_rng_state(self.rng)
+        set_rng_state(self.rng)
         comm.barrier()
         for _ in range(steps):
             if self.done:
@@ -516,7 +487,7 @@ class _Runner:
                 bar.update(1)
             if self.step % self.spec.eval_every == 0 or self.step >= self.spec.max_steps:
                 self.evaluate()
-        self.rng = _rng_state()
+        self.rng = rng_state()
 
     def record(self) -> RaceRun:
         owned = comm_stats.owned(self.owner)
@@ -566,9 +537,9 @@ def run_race_job(spec: RaceSpec, *, progress: bool = False) -> list[RaceRun]:
             runners = [_Runner(spec, e, seed) for e in spec.entries]
             try:
                 for r in runners:  # the common starting point: same weights, same metric
-                    _set_rng_state(r.rng)
+                    set_rng_state(r.rng)
                     r.evaluate()  # a target met before training ends the run at step 0
-                    r.rng = _rng_state()
+                    r.rng = rng_state()
                 while not all(r.done for r in runners):
                     for r in runners:
                         if not r.done:

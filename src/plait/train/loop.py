@@ -82,7 +82,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's random states (torch, Python, NumPy): what a checkpoint keeps, and
+    what `plait race` saves and restores to interleave several trainers on one process."""
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -90,7 +92,8 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the random states `rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -184,7 +187,7 @@ class Trainer:
         if sharded is None:
             shared["model"] = self.strategy.unwrap(self.model).state_dict()
             shared["optimizer"] = self.optimizer.state_dict()
-        local = {"strategy": self.strategy.state_dict(), "rng": _rng_state()}
+        local = {"strategy": self.strategy.state_dict(), "rng": rng_state()}
         self.ckpt.save(self.state.step, shared=shared, local=local, sharded=sharded)
 
     def maybe_resume(self) -> bool:
@@ -206,7 +209,7 @@ class Trainer:
         self.state = TrainState(**shared["state"])
         if local is not None:
             self.strategy.load_state_dict(local["strategy"])
-            _set_rng_state(local["rng"])
+            set_rng_state(local["rng"])
         elif pdist.is_main():
             logger.warning("checkpoint from another world size: strategy state starts fresh")
         self.resumed_from = self.state.step
@@ -220,7 +223,9 @@ class Trainer:
         return True
 
     # ------------------------------------------------------------------ steps
-    def _batches(self, epoch: int, skip: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, epoch: int, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's shard of epoch `epoch`'s training data, in the order `run` trains on
+        it, from its `skip`-th optimizer step (a resumed epoch)."""
         self.sampler.set_epoch(epoch)
         indices = list(self.sampler)[skip * self.loader_batch * self.cfg.accumulate :]
         loader = DataLoader(
@@ -231,6 +236,14 @@ class Trainer:
         )
         for x, y in loader:
             yield x.to(self.device), y.to(self.device)
+
+    def stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches epoch after epoch from the first, as `run` would meet them
+        without restarts (`plait race` steps several trainers through their streams)."""
+        epoch = 0
+        while True:
+            yield from self.batches(epoch)
+            epoch += 1
 
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward/backward over the micro-batches, then one optimizer step; returns the loss."""
@@ -285,7 +298,7 @@ class Trainer:
         losses: list[float] = []
         while self.state.step < self.total_steps:
             epoch = self.state.epoch
-            batches = self._batches(epoch, self.state.batch_in_epoch)
+            batches = self.batches(epoch, self.state.batch_in_epoch)
             epoch_start = time.perf_counter()
             while self.state.step < self.total_steps:
                 micro = list(itertools.islice(batches, cfg.accumulate))

@@ -23,7 +23,7 @@ def _train(cfg: TrainConfig, steps: int) -> tuple[list[float], Trainer]:
     trainer = Trainer(cfg)
     trainer.maybe_resume()
     losses = []
-    batches = trainer._batches(trainer.state.epoch, trainer.state.batch_in_epoch)
+    batches = trainer.batches(trainer.state.epoch, trainer.state.batch_in_epoch)
     for _ in range(steps):
         losses.append(trainer.train_step([next(batches)]))
         trainer.state.step += 1
