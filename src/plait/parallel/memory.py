@@ -194,6 +194,15 @@ def _tensor_plan(adapter: Any, block: nn.Module) -> dict[str, Any]:
         return {}
 
 
+def _follow(live: dict[int, Any], storage: Any) -> None:
+    """Keep `storage` in `live` (by its address) until it is freed: an address freed and
+    reused by another storage is never taken for the first."""
+    key = storage._cdata
+    if key not in live:
+        live[key] = weakref.ref(storage)
+        weakref.finalize(storage, live.pop, key, None)
+
+
 class _SplitTracer(TorchDispatchMode):
     """Which tensors of a forward tensor parallelism would split over its ranks.
 
@@ -232,11 +241,7 @@ class _SplitTracer(TorchDispatchMode):
     def _mark(self, out: Any) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self._split:
-                    self._split[key] = weakref.ref(storage)
-                    weakref.finalize(storage, self._split.pop, key, None)
+                _follow(self._split, t.untyped_storage())
 
     def _unmark(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -578,11 +583,7 @@ class PeakMemory(TorchDispatchMode):
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
-        key = storage._cdata
-        if key in self._live:
-            return
-        self._live[key] = weakref.ref(storage)
-        weakref.finalize(storage, self._live.pop, key, None)
+        _follow(self._live, storage)
 
     def _refresh(self) -> None:
         total = 0
