@@ -91,6 +91,13 @@ def test_measured_profile_and_kfac_projection() -> None:
     assert spd.step_s < naive.step_s
     lazy = pj.project(prof, "spd-kfac:inv_interval=10", world=8, link=slow)
     assert lazy.step_s < spd.step_s  # factors and inversions every tenth step only
+    # the host's work per byte sent delays the passes only for what is sent while they
+    # run (the gradient buckets); after backward it hides in the slower wire's time
+    host = 1e-9
+    hosted = pj.project(prof, "kfac-naive", world=8, link=slow, host_s_per_byte=host)
+    grads = sum(4.0 * math.prod(g.shape) for g in prof.grads)
+    ring = 2 * 7 / 8  # bytes a worker sends per byte of a ring all-reduce among 8
+    assert naive.step_s <= hosted.step_s <= naive.step_s + host * ring * grads + 1e-12
 
 
 def test_validate_checks_each_record_against_its_projection() -> None:
@@ -139,8 +146,11 @@ def test_race_candidates_and_the_map(tmp_path: Path) -> None:
 def test_projectable_fixes_automatic_intervals() -> None:
     spec = "spd-kfac:factor_interval=auto,inv_interval=auto,kl_clip=0.01,approximation=reduce"
     assert pj.projectable(spec) == (
-        f"spd-kfac:factor_interval={pj.AUTO_INTERVAL},inv_interval={pj.AUTO_INTERVAL}"
+        f"spd-kfac:factor_interval={pj.AUTO_INTERVAL},inv_interval={pj.AUTO_INTERVAL},"
+        "approximation=reduce"
     )
+    # a projectable spec finds the profile's measurement of the same factor computation
+    assert pj.profile_key(spec) == pj.profile_key(pj.projectable(spec))
     assert pj.profile_key(spec) == "spd-kfac:approximation=reduce"
     assert pj.profile_key("acpsgd:rank=4") == "acpsgd:rank=4"
     assert math.isfinite(pj.TOLERANCE)

@@ -18,10 +18,9 @@ from plait.bench.project.step import (
     project,
     projectable,
 )
-from plait.comm import AlphaBeta, Collective
+from plait.comm import AlphaBeta
 from plait.comm.cost import Algorithms
 from plait.comm.link import link_model
-from plait.comm.stats import latency_steps, wire_bytes
 from plait.specs import parse_spec
 
 #: The projection's goal against the emulated cluster: every step within 15%.
@@ -59,22 +58,19 @@ def host_cost(probe: Mapping[str, Any]) -> float:
     return 8.0 / float(probe["busbw_bps"][-1])
 
 
-def start_up_s(probe: Mapping[str, Any] | None, link: AlphaBeta) -> float:
+def start_up_s(probe: Mapping[str, Any] | None) -> float:
     """A message's start-up time on the job's links, from the probe the benchmark harness
-    ran at the job's start: its smallest all-reduce's time less that payload's wire time
-    on `link`, per sequential message of the ring (0 without a probe).
+    ran at the job's start: the alpha of its alpha-beta fit over every sample (three sizes,
+    three all-reduces each; 0 without a probe).
 
-    On the emulated cluster a message costs about a millisecond (gloo's handshakes and the
-    kernel's TCP path on cores the ranks share), twenty times a bare link's alpha: the
-    difference between a compressor's many small all-reduces and one large one.
+    On the emulated cluster a message costs up to a millisecond or two (gloo's handshakes
+    and the kernel's TCP path on cores the ranks share), twenty times a bare link's alpha:
+    the difference between a compressor's many small all-reduces and one large one. The
+    fit, not the smallest size's time alone: one size's median of three can catch the ranks
+    waking late on the shared cores (at 4 nodes and 5 Gbit/s a 16 KB all-reduce took 11 ms
+    where 256 KB took 3 ms), which priced K-FAC's 78 per-factor all-reduces 25% too slow.
     """
-    if not probe or not probe.get("sizes"):
-        return 0.0
-    world = int(probe["world"])
-    n, t = float(probe["sizes"][0]), float(probe["seconds"][0])
-    steps = latency_steps(Collective.ALL_REDUCE, world)
-    wire = wire_bytes(Collective.ALL_REDUCE, int(n), world) * link.beta
-    return max(0.0, (t - wire) / max(steps, 1))
+    return max(0.0, float(probe.get("alpha_s", 0.0))) if probe else 0.0
 
 
 def validate(
@@ -100,7 +96,7 @@ def validate(
         link = link_model(
             parse_rate(str(r["rate"])), latency_s=parse_duration(latency) if latency else 0.0
         )
-        link = AlphaBeta(alpha=max(link.alpha, start_up_s(r.get("probe"), link)), beta=link.beta)
+        link = AlphaBeta(alpha=max(link.alpha, start_up_s(r.get("probe"))), beta=link.beta)
         spec = str(r["strategy_spec"])
         layers = None
         if parse_spec(spec)[0] in KFAC_PRESETS:

@@ -188,7 +188,7 @@ def project(
     own_compute = k * (passes + opt_s)
     buckets, wires, comp = grad_buckets(profile, spec)
     dense_total = sum(4.0 * math.prod(g.shape) for g in profile.grads)
-    wire = _Wire(link, algorithms, world, host_s_per_byte)
+    wire = _Wire(link, algorithms, world, host_s_per_byte * _host_per_byte(comp))
     shift = 0.0
     sent = 0.0
     for bucket, ws in zip(buckets, wires, strict=True):
@@ -218,6 +218,18 @@ def project(
         exposed_s=step - own_compute,
         bytes_per_step=sent,
     )
+
+
+def _host_per_byte(comp: Any) -> float:
+    """The host's work per byte of a compressor's payload against float32's.
+
+    gloo sums on the CPU element by element, at about the same time per element in
+    float16 as in float32 (7.6 against 7.2 ns at 4 ranks here; bfloat16 5.5 ns): half the
+    bytes cost the host about as much as the float32 all-reduce. Priced per byte, ``fp16``
+    was projected 20% fast at 4 nodes and 1 Gbit/s.
+    """
+    dtype = getattr(comp, "wire_dtype", torch.float32)
+    return 4.0 / dtype.itemsize
 
 
 def kfac_layers(profile: Profile) -> Any:
@@ -350,6 +362,7 @@ def _project_kfac(
 
     measured_kind = (True, True) if inv_every == 1 else (False, fac_every == 1)
     k = _scale(profile, compute_s, own(*measured_kind)) / speed
+    compute = k * sum(c * own(i, fa) for i, fa, c in kinds) / inv_every
     tail *= k
     plain = profile.forward_s + profile.backward_s
 
@@ -398,7 +411,12 @@ def _project_kfac(
                     queue.append((at, 1, nbytes, [items[i][0] for i in bk]))
         landed: dict[tuple[str, FactorKind], float] = {}
         sent = 0.0
-        during = 0.0  # host work of collectives issued while the passes run delays them
+        # The host's work for a collective (gloo on the computing cores) delays the passes
+        # when it runs beside them; after backward the cores only wait for the wire, which
+        # drains slower than they send (every link here is below the host's 5.5 Gbit/s), so
+        # there it hides in the wire's time. Adding it there too priced the GPT's K-FAC
+        # steps 18-26% too slow at 1 and 5 Gbit/s (benchmarks/projection/check-kfac).
+        during = 0.0
         for at, _, nbytes, keys in sorted(queue, key=lambda q: (q[0], q[1])):
             host = wire.host_s
             end = wire.send(Collective.ALL_REDUCE, nbytes, at) if world > 1 else at
@@ -410,7 +428,7 @@ def _project_kfac(
         backward_end = f + b + during
         comm_end = max(wire.free, backward_end)
         if not invert:
-            return comm_end + tail + (wire.host_s - during), wire.busy, sent
+            return comm_end + tail, wire.busy, sent
         # the slowest worker's inversions: each once its factor landed (overlap), or all
         # after the last factor landed; then every result is broadcast by its owner
         # (comm-opt), or every layer's preconditioned gradient by its owner (mem-opt)
@@ -431,7 +449,7 @@ def _project_kfac(
             for nbytes in out:
                 wire.send(Collective.BROADCAST, nbytes, inv_end)
                 sent += nbytes
-        return max(wire.free, inv_end) + (wire.host_s - during) + tail, wire.busy, sent
+        return max(wire.free, inv_end) + tail, wire.busy, sent
 
     total = [0.0, 0.0, 0.0]
     for invert, factors, count in kinds:
@@ -443,9 +461,9 @@ def _project_kfac(
         strategy=spec,
         world=world,
         step_s=step,
-        compute_s=k * sum(c * own(i, fa) for i, fa, c in kinds) / inv_every,
+        compute_s=compute,
         wire_s=busy,
-        exposed_s=step - k * sum(c * own(i, fa) for i, fa, c in kinds) / inv_every,
+        exposed_s=step - compute,
         bytes_per_step=sent,
         notes=[
             f"distribution {place.distribution}",
@@ -470,7 +488,8 @@ AUTO_INTERVAL = 3
 def projectable(spec: str) -> str:
     """`spec` with what the projection cannot price fixed: K-FAC's automatic intervals
     become `AUTO_INTERVAL`; options of the K-FAC math that change no byte or step dropped
-    (damping, clipping, the approximation); the gradient compressor and its options kept."""
+    (damping, clipping); the approximation (it changes the factors' computation), the
+    gradient compressor and its options kept."""
     from dataclasses import fields
 
     from plait.kfac.config import KFACConfig
@@ -480,7 +499,8 @@ def projectable(spec: str) -> str:
         return spec
     config = {f.name for f in fields(KFACConfig)}
     mechanics = {"packed", "comm", "sync", "placement", "distribution", "overlap"}
-    mechanics |= {"local_inversion", "bucket_cap_mb"}
+    # the approximation changes the factors' computation, which the profile measured
+    mechanics |= {"local_inversion", "bucket_cap_mb", "approximation"}
     keep = {}
     for k, v in options.items():
         if k in ("factor_interval", "inv_interval"):
