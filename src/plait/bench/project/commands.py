@@ -1,4 +1,10 @@
-"""``python -m plait.bench.project profile|validate|map``: see `plait.bench.project`."""
+"""``plait bench project profile|validate|map``: the projection's commands.
+
+``profile`` measures a workload into one profile file (JSON); ``validate`` writes its
+checks with `plait.records.write_report` (``results.json``, ``results.md``); ``map``
+writes the map with it too, named ``map.json``, ``map.md`` and ``map.png``. See
+`plait.bench.project` for what is projected and how.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import json
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
+from plait.bench import suites
 from plait.bench.project.advice import (
     Candidate,
     Check,
@@ -18,8 +25,8 @@ from plait.bench.project.advice import (
     validate,
 )
 from plait.bench.project.profile import Profile, measure_profile
-from plait.flags import option, parse_command
-from plait.records import write_json, write_markdown
+from plait.flags import option
+from plait.records import write_report
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,17 +106,8 @@ class MapConfig:
     out: Path = option(MISSING)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m plait.bench.project profile|validate|map ...`` (see --help)."""
-    cfg = parse_command(
-        {
-            "profile": (ProfileConfig, "measure a workload on this process"),
-            "validate": (ValidateConfig, "projection vs emulated `plait bench` results"),
-            "map": (MapConfig, "which strategy and optimizer wins where"),
-        },
-        argv,
-        prog="python -m plait.bench.project",
-    )
+def run_parsed(cfg: ProfileConfig | ValidateConfig | MapConfig, call: suites.Call) -> int:
+    """Run the subcommand `cfg` configures; ``validate`` exits with 1 when a check fails."""
     if isinstance(cfg, ProfileConfig):
         specs = [s for s in cfg.strategies.split(";") if s]
         prof = measure_profile(
@@ -129,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         for path in cfg.results:
             recs = json.loads((path / "results.json").read_text())
             checks += validate(profiles, recs, source=str(path), host_s_per_byte=host)
-        write_json(
+        text = checks_markdown(checks)
+        write_report(
+            cfg.out,
             [{**asdict(c), "error": c.error, "ok": c.ok} for c in checks],
-            cfg.out / "results.json",
+            title="The projection against the emulated cluster",
+            command=call.command,
+            body=text,
             indent=2,
         )
-        text = checks_markdown(checks)
-        write_markdown(text, cfg.out / "results.md")
         print(text)
         return 0 if all(c.ok for c in checks) else 1
     assert isinstance(cfg, MapConfig)  # the third subcommand
@@ -164,13 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     title = cfg.title or (
         f"{prof.workload}: {what}, projected (compute of {pace} {prof.device} process here)"
     )
-    text = map_markdown(cells, title=title)
-    write_markdown(text, cfg.out / "map.md")
-    write_json([asdict(c) for c in cells], cfg.out / "map.json", indent=2)
-    plot_map(cells, cfg.out / "map.png", title=title)
-    print(text)
+    write_report(
+        cfg.out,
+        [asdict(c) for c in cells],
+        title=title,
+        command=call.command,
+        body=map_markdown(cells, title=title, heading=False),
+        plot=lambda path: plot_map(cells, path, title=title),
+        indent=2,
+        stem="map",
+    )
+    print(map_markdown(cells, title=title))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
