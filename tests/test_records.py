@@ -65,3 +65,12 @@ def test_write_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
     assert paths["markdown"].read_text() == "# T\n\nCommand: `plait x`\n\n| a |\n\nend\n"
     assert drawn == [paths["png"]]
     assert "png" not in write_report(tmp_path / "b", [], title="T", command="", body="")
+
+
+def test_write_report_names_its_files_after_a_stem(tmp_path: Path) -> None:
+    paths = write_report(
+        tmp_path, [], title="T", command="c", body="", plot=lambda p: p.write_bytes(b""), stem="m"
+    )
+    names = {"json": "m.json", "markdown": "m.md", "png": "m.png"}
+    assert paths == {kind: tmp_path / name for kind, name in names.items()}
+    assert all(p.is_file() for p in paths.values())

@@ -7,9 +7,9 @@ JSON they have always written, so files written before a field existed still loa
 (`Record.from_dict`) and readers of the JSON (scripts, the scorecard) need not change.
 
 `write_report` is the one writer of a suite's ``results.json``, ``results.md`` and
-``results.png``; `write_json` and `write_markdown` write one file each; plots go through
-`pyplot` (matplotlib on the file-only Agg backend, imported on first use) and
-`save_figure`.
+``results.png`` (or another stem's three files); `write_json` and `write_markdown` write
+one file each; plots go through `pyplot` (matplotlib on the file-only Agg backend,
+imported on first use) and `save_figure`.
 """
 
 from __future__ import annotations
@@ -217,19 +217,22 @@ def write_report(
     footer: str = "",
     plot: Callable[[Path], object] | None = None,
     indent: int = 2,
+    stem: str = "results",
 ) -> dict[str, Path]:
     """Write a suite's report into `out`: ``results.json`` (the records), ``results.md``
     (a title, the command, `body` and `footer`) and, given `plot`, ``results.png``.
 
     Every benchmark writes the same three files the same way, so a reader (or a script
     comparing runs) finds the records, the command that made them and the picture in the
-    same place whichever suite ran. Returns the paths by kind (json, markdown, png).
+    same place whichever suite ran. `stem` names the files otherwise, for a report that
+    sits beside another in one folder (the memory benchmark's ``memory.*`` beside a
+    ``plait bench`` job's ``results.*``). Returns the paths by kind (json, markdown, png).
     """
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md"}
     write_json(records, paths["json"], indent=indent)
     write_markdown(f"# {title}\n\nCommand: `{command}`\n\n{body}{footer}", paths["markdown"])
     if plot is not None:
-        paths["png"] = out / "results.png"
+        paths["png"] = out / f"{stem}.png"
         plot(paths["png"])
     return paths

@@ -48,5 +48,5 @@ def test_written_files_load_back_as_records(tmp_path: Path) -> None:
     assert [MemoryRecord.from_dict(r) for r in rows] == records
     assert list(rows[0])[-1] == "torch"  # the key order of the committed files
     text = paths["markdown"].read_text()
-    assert text.startswith("# Memory per rank\n\n`plait run --nodes 4")
+    assert text.startswith("# Memory per rank\n\nCommand: `plait run --nodes 4")
     assert "| `pp=2` |" in text

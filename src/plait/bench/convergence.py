@@ -6,7 +6,7 @@ judged at its best learning rate (the median over seeds of the steps it needs to
 the target accuracy), so a second-order method is compared with a tuned first-order one at
 the same batch size, not with a strawman.
 
-    python -m plait.bench.convergence --workload mlp --target 0.95 --steps 300 \\
+    plait bench convergence --workload mlp --target 0.95 --steps 300 \\
         --run ssgd@0.03,0.1,0.3 --run spd-kfac:damping=0.01@0.01,0.03,0.1 --out DIR
 
 Runs in one process on a process group of one (iterations, not time, are compared, and
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.bench import suites
 from plait.bench.core import Stats
 from plait.bench.records import (
     ConvergenceReport,
@@ -35,7 +36,7 @@ from plait.bench.records import (
     ConvergenceSummary,
     RunMeta,
 )
-from plait.flags import option, parse
+from plait.flags import option
 from plait.records import pyplot, save_figure, write_report
 from plait.train.config import TrainConfig
 from plait.train.loop import Trainer
@@ -178,7 +179,7 @@ def _init_single_process_group() -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ConvergenceConfig:
-    """The command line of ``python -m plait.bench.convergence`` (`plait.flags`).
+    """The command line of ``plait bench convergence`` (`plait.flags`).
 
     Attributes:
         workload: the workload trained on its real data.
@@ -203,14 +204,8 @@ class ConvergenceConfig:
     out: str | None = option(None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        ConvergenceConfig,
-        argv,
-        prog="python -m plait.bench.convergence",
-        description=__doc__,
-        verbatim=True,
-    )
+def run_parsed(cfg: ConvergenceConfig, call: suites.Call) -> int:
+    """Train every run, print the comparison and, with ``--out``, write the report."""
     seeds = [int(s) for s in cfg.seeds.split(",")]
     batch = cfg.batch_size or get_workload(cfg.workload).train_batch
     runs = _parse_runs(cfg.run, seeds)
@@ -244,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(summary, baseline=cfg.baseline)
     print(table, end="")
     if cfg.out:
-        command = " ".join(["python -m plait.bench.convergence", *sys.argv[1:]])
+        command = call.command
         meta = RunMeta(workload=cfg.workload, batch_size=batch).stamped(command=command)
         report = ConvergenceReport(meta=meta, summary=summary, runs=records)
         write_report(
@@ -257,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             indent=1,
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.convergence``: the suite ``convergence``
+    (`plait.bench.suites`)."""
+    return suites.main("convergence", argv)
 
 
 if __name__ == "__main__":

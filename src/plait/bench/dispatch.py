@@ -15,7 +15,7 @@ accuracy decided on a small split, and a loss). The pinned setting (`plait.cpu.A
 what `plait race` gives its workers) is run twice, to show that a pinned run repeats
 bit for bit.
 
-    python -m plait.bench.dispatch --out benchmarks/race/float-dispatch
+    plait bench dispatch --out benchmarks/race/float-dispatch
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.bench import suites
 from plait.cpu import AVX2_PINS
-from plait.flags import option, parse
+from plait.flags import option
 
 #: Each setting as another host would make its choice (environment, threads).
 SETTINGS: dict[str, tuple[dict[str, str], int]] = {
@@ -196,7 +197,7 @@ def markdown(rows: list[dict[str, Any]], *, accuracy: float, loss: float) -> str
 
 @dataclass(frozen=True, kw_only=True)
 class DispatchConfig:
-    """The command line of ``python -m plait.bench.dispatch`` (its flags, `plait.flags`).
+    """The command line of ``plait bench dispatch`` (its flags, `plait.flags`).
 
     Attributes:
         child: a setting's training config as JSON: the process `run_setting` starts
@@ -226,8 +227,9 @@ class DispatchConfig:
     out: str | None = option(None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(DispatchConfig, argv, prog="python -m plait.bench.dispatch")
+def run_parsed(cfg: DispatchConfig, call: suites.Call) -> int:
+    """Train every setting in a fresh process, print the comparison and, with ``--out``,
+    write the report (or, given ``--child``, train one setting here and print its run)."""
     if cfg.child is not None:
         print(json.dumps(_child(json.loads(cfg.child))))
         return 0
@@ -240,26 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, accuracy=cfg.accuracy, loss=cfg.loss)
     print(text, end="")
     if cfg.out:
-        from plait.records import provenance, write_json, write_markdown
+        from plait.records import provenance, write_report
 
-        out = Path(cfg.out)
-        meta = provenance(
-            command=" ".join(["python -m plait.bench.dispatch", *(argv or sys.argv[1:])])
-        )
-        write_json(
+        meta = provenance(command=call.command)
+        write_report(
+            Path(cfg.out),
             {
                 "provenance": meta,
                 "config": config,
                 "rows": rows,
                 "runs": [{**asdict(r), "params": []} for r in runs],
             },
-            out / "results.json",
-        )
-        write_markdown(
-            f"# Floating-point dispatch\n\nCommand: `{meta['command']}`\n\n{text}",
-            out / "results.md",
+            title="Floating-point dispatch",
+            command=meta["command"],
+            body=text,
+            indent=1,
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.dispatch``: the suite ``dispatch`` (`plait.bench.suites`)."""
+    return suites.main("dispatch", argv)
 
 
 if __name__ == "__main__":

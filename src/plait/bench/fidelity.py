@@ -6,7 +6,7 @@ runs ``plait train`` on real data (the bundled digits, the pydoc text) once per
 optimizer, and tabulates the final test loss and accuracy (per token for the GPT) next to
 the first strategy's (S-SGD, the reference):
 
-    python -m plait.bench.fidelity --workload resnet18,gpt \\
+    plait bench fidelity --workload resnet18,gpt \\
         --strategies ssgd,fp16,signsgd,topk,powersgd:rank=4,acpsgd:rank=4 --out DIR
 
 It writes ``DIR/results.json`` (the training summaries, with the command) and
@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 from plait._proc import keep_scratch, scratch_dir
+from plait.bench import suites
 from plait.bench.records import FidelityRecord
 from plait.cluster import Cluster, NetworkSpec, launch
-from plait.flags import option, parse
+from plait.flags import option
 from plait.records import stamp, write_report
 from plait.train.strategy import make_strategy
 from plait.workloads import get_workload
@@ -122,7 +122,7 @@ def markdown(records: Sequence[FidelityRecord]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class FidelityConfig:
-    """The command line of ``python -m plait.bench.fidelity`` (its flags, `plait.flags`).
+    """The command line of ``plait bench fidelity`` (its flags, `plait.flags`).
 
     Attributes:
         workload: the workloads trained, comma-separated.
@@ -146,13 +146,11 @@ class FidelityConfig:
     out: str = option(MISSING, "output directory")
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(FidelityConfig, argv, prog="python -m plait.bench.fidelity", description=__doc__)
+def run_parsed(cfg: FidelityConfig, call: suites.Call) -> int:
+    """Train every (workload, strategy), write the report and print its table."""
     from plait.specs import split_specs
 
-    command = "python -m plait.bench.fidelity " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
+    command = call.quoted
     records = run_fidelity(
         workloads=[w.strip() for w in cfg.workload.split(",") if w.strip()],
         strategies=split_specs(cfg.strategies),
@@ -166,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     write_report(Path(cfg.out), records, title="Fidelity", command=command, body=table)
     print(table)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.fidelity``: the suite ``fidelity`` (`plait.bench.suites`)."""
+    return suites.main("fidelity", argv)
 
 
 if __name__ == "__main__":

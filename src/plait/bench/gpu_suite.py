@@ -23,8 +23,13 @@ Parts, on ``--device cuda``:
 ``--dry-run`` runs the same parts small, on the CPU, in under a minute: the test suite runs
 it, so the command a lent machine gets has run before it gets there.
 
-    python -m plait.bench.gpu_suite [--out DIR] [--dry-run] [--budget-s 540]
+    plait bench gpu-suite [--out DIR] [--dry-run] [--budget-s 540]
+    python -m plait.bench.gpu_suite ...   # the same, where plait is not installed
     make gpu-suite            # on the lent machine: PYTHONPATH=src, results in runs/gpu-suite
+
+Unlike the other suites it writes no ``results.*`` report of its own: its folder holds one
+folder per part (each part's own report), the parts' logs, ``suite.json`` (every part's
+command, exit code, time and log tail) and ``README.md`` (the summary).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.flags import option, parse
+from plait.bench import suites
+from plait.flags import option
 
 #: The whole suite's wall-clock budget (seconds): 9 minutes of a lent machine's 15, which
 #: leaves its start, the transfer of the tree and of the results, and a rerun of one part.
@@ -374,7 +380,7 @@ def _write(
 
 @dataclass(frozen=True, kw_only=True)
 class SuiteConfig:
-    """The command line of ``python -m plait.bench.gpu_suite`` (its flags, `plait.flags`).
+    """The command line of ``plait bench gpu-suite`` (its flags, `plait.flags`).
 
     Attributes:
         out: the suite's folder (its ``.tar.gz`` is written beside it).
@@ -387,13 +393,9 @@ class SuiteConfig:
     budget_s: float = option(DEFAULT_BUDGET_S)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        SuiteConfig,
-        argv,
-        prog="python -m plait.bench.gpu_suite",
-        description=__doc__.split("\n\n")[0],
-    )
+def run_parsed(cfg: SuiteConfig, call: suites.Call) -> int:
+    """Run every part; 0 when all succeeded, 1 when one failed, 2 on a bad budget or
+    without CUDA (outside a dry run)."""
     if cfg.budget_s <= 0:
         print("gpu-suite: --budget-s must be > 0", file=sys.stderr)
         return 2
@@ -404,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print((cfg.out / "README.md").read_text())
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.gpu_suite``: the suite ``gpu-suite`` (`plait.bench.suites`)."""
+    return suites.main("gpu-suite", argv)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ each timed from before the forward to after ``torch.cuda.synchronize()`` behind 
 update, median of `steps` after `warmup`, the entries taking turns step by step so that
 clocks and other load affect them alike.
 
-    python -m plait.bench.kfac_cuda [--workload resnet18] [--batch 128] [--device cuda]
-        [--out DIR]
+    plait bench kfac-cuda [--workload resnet18] [--batch 128] [--device cuda] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.flags import option, parse
+from plait.bench import suites
+from plait.flags import option
 from plait.kfac import KFAC, KFACConfig
-from plait.records import provenance, write_json, write_markdown
+from plait.records import provenance, write_report
 from plait.train.loop import build_optimizer
 from plait.workloads import get_workload
 
@@ -128,10 +128,14 @@ def measure(
     return out
 
 
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def title(meta: dict[str, Any]) -> str:
+    """The report's title: the workload and the batch."""
+    return f"K-FAC on one CUDA device: {meta['workload']}, batch {meta['batch']}"
+
+
+def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The device and the protocol, then every entry's step time."""
     lines = [
-        f"# K-FAC on one CUDA device: {meta['workload']}, batch {meta['batch']}",
-        "",
         f"{meta['device_name']}, torch {meta['torch']}; median of {meta['steps']} steps "
         f"after {meta['warmup']}, entries taking turns step by step.",
         "",
@@ -146,9 +150,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The title and the table, as printed."""
+    return f"# {title(meta)}\n\n{table(rows, meta)}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class KfacCudaConfig:
-    """The command line of ``python -m plait.bench.kfac_cuda`` (its flags, `plait.flags`).
+    """The command line of ``plait bench kfac-cuda`` (its flags, `plait.flags`).
 
     Attributes:
         workload: the workload whose model is timed.
@@ -167,13 +176,11 @@ class KfacCudaConfig:
     out: Path | None = option(None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        KfacCudaConfig,
-        argv,
-        prog="python -m plait.bench.kfac_cuda",
-        description=__doc__.split("\n\n")[0],
-    )
+def run_parsed(cfg: KfacCudaConfig, call: suites.Call) -> int:
+    """Time every entry, print the table and, with ``--out``, write the report.
+
+    Without a CUDA device (``--device cuda``) it says so and exits with status 2.
+    """
     try:
         rows = measure(
             workload=cfg.workload, batch=cfg.batch, steps=cfg.steps, warmup=cfg.warmup,
@@ -186,15 +193,24 @@ def main(argv: list[str] | None = None) -> int:
         "workload": cfg.workload, "batch": cfg.batch, "steps": cfg.steps,
         "warmup": cfg.warmup,
         "device_name": torch.cuda.get_device_name() if cfg.device == "cuda" else "cpu",
-        "torch": torch.__version__, **provenance(),
+        "torch": torch.__version__, **provenance(command=call.command),
     }  # fmt: skip
-    text = markdown(rows, meta)
-    sys.stdout.write(text)
+    sys.stdout.write(markdown(rows, meta))
     if cfg.out is not None:
-        cfg.out.mkdir(parents=True, exist_ok=True)
-        write_json({"meta": meta, "rows": rows}, cfg.out / "results.json")
-        write_markdown(text, cfg.out / "results.md")
+        write_report(
+            cfg.out,
+            {"meta": meta, "rows": rows},
+            title=title(meta),
+            command=call.command,
+            body=table(rows, meta),
+            indent=1,
+        )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.kfac_cuda``: the suite ``kfac-cuda`` (`plait.bench.suites`)."""
+    return suites.main("kfac-cuda", argv)
 
 
 if __name__ == "__main__":

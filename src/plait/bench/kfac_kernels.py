@@ -11,7 +11,7 @@ gets), median of `repeats`:
 - preconditioning ``G^-1 M A^-1``: products with the two inverses, against `precondition`
   (triangular solves).
 
-    python -m plait.bench.kfac_kernels [--workload resnet18] [--out DIR]
+    plait bench kfac-kernels [--workload resnet18] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from plait.bench import suites
 from plait.bench.core import Stats
 from plait.bench.records import KernelRecord, KernelReport, RunMeta
-from plait.flags import option, parse
+from plait.flags import option
 from plait.kfac import triangle
 from plait.kfac.factors import Method, SecondOrder, decompose, pack, precondition
 from plait.kfac.layers import KFACLayer, make_layer
@@ -159,7 +160,7 @@ def markdown(records: list[KernelRecord]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class KernelsConfig:
-    """The command line of ``python -m plait.bench.kfac_kernels`` (`plait.flags`).
+    """The command line of ``plait bench kfac-kernels`` (`plait.flags`).
 
     Attributes:
         workload: the workload whose layers' shapes are timed.
@@ -179,17 +180,10 @@ class KernelsConfig:
             raise ValueError("--repeats must be >= 1")
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        KernelsConfig,
-        argv,
-        prog="python -m plait.bench.kfac_kernels",
-        description=__doc__.splitlines()[0],
-    )
+def run_parsed(cfg: KernelsConfig, call: suites.Call) -> int:
+    """Time every layer's kernels, print the table and, with ``--out``, write the report."""
     records = measure(workload=cfg.workload, repeats=cfg.repeats)
-    command = " ".join(
-        ["python -m plait.bench.kfac_kernels", *(sys.argv[1:] if argv is None else argv)]
-    )
+    command = call.command
     meta = RunMeta(workload=cfg.workload).stamped(command=command)
     text = markdown(records)
     footer = f"\ncommit {meta.commit}, torch {meta.torch}, 1 intra-op thread\n"
@@ -205,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             indent=1,
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.kfac_kernels``: the suite ``kfac-kernels``
+    (`plait.bench.suites`)."""
+    return suites.main("kfac-kernels", argv)
 
 
 if __name__ == "__main__":

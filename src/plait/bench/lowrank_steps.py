@@ -12,7 +12,7 @@ it records the training loss and the relative error of the averaged approximatio
 against the exact average, ``|approx - mean(G)| / |mean(G)|`` over the compressed
 matrices, and every `eval_every` steps the held-out loss.
 
-    python -m plait.bench.lowrank_steps --workload gpt --workers 4 --steps 80 \\
+    plait bench lowrank-steps --workload gpt --workers 4 --steps 80 \\
         --methods "ssgd;powersgd:rank=16;acpsgd:rank=16;acpsgd:rank=16,start=power" \\
         --target 2.6 --out DIR
 
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
+from plait.bench import suites
 from plait.dp.compress import acpsgd, powersgd
 from plait.dp.compress.lowrank import (
     BucketPlan,
@@ -42,8 +43,8 @@ from plait.dp.compress.lowrank import (
     RankPolicy,
     orthonormalize_rows_,
 )
-from plait.flags import option, parse
-from plait.records import provenance, pyplot, save_figure, write_json, write_markdown
+from plait.flags import option
+from plait.records import provenance, pyplot, save_figure, write_report
 from plait.specs import parse_spec, split_specs
 from plait.workloads import get_workload
 
@@ -271,7 +272,7 @@ def plot(traces: Sequence[StepTrace], path: Path, target: float | None) -> Path:
 
 @dataclass(frozen=True, kw_only=True)
 class LowrankStepsConfig:
-    """The command line of ``python -m plait.bench.lowrank_steps`` (`plait.flags`).
+    """The command line of ``plait bench lowrank-steps`` (`plait.flags`).
 
     Attributes:
         workload: the workload trained on its real data.
@@ -300,8 +301,8 @@ class LowrankStepsConfig:
     out: str = option(MISSING)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(LowrankStepsConfig, argv, prog="python -m plait.bench.lowrank_steps")
+def run_parsed(cfg: LowrankStepsConfig, call: suites.Call) -> int:
+    """Train every method, write the report and print its table."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     traces = run(
         workload=cfg.workload,
@@ -315,17 +316,24 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=cfg.eval_every,
         target=cfg.target,
     )
-    out = Path(cfg.out)
-    meta = provenance(command=" ".join(["python -m plait.bench.lowrank_steps", *sys.argv[1:]]))
-    write_json({"provenance": meta, "traces": [asdict(t) for t in traces]}, out / "results.json")
-    write_markdown(
-        f"# Low-rank compressors step by step\n\nCommand: `{meta['command']}`\n\n"
-        + markdown(traces, cfg.target),
-        out / "results.md",
+    meta = provenance(command=call.command)
+    write_report(
+        Path(cfg.out),
+        {"provenance": meta, "traces": [asdict(t) for t in traces]},
+        title="Low-rank compressors step by step",
+        command=meta["command"],
+        body=markdown(traces, cfg.target),
+        plot=lambda path: plot(traces, path, cfg.target),
+        indent=1,
     )
-    plot(traces, out / "results.png", cfg.target)
     print(markdown(traces, cfg.target), end="")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.lowrank_steps``: the suite ``lowrank-steps``
+    (`plait.bench.suites`)."""
+    return suites.main("lowrank-steps", argv)
 
 
 if __name__ == "__main__":

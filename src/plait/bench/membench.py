@@ -5,7 +5,8 @@ each plan it builds the workload's benchmark model under a `PeakMemory` meter, a
 plan, trains two steps (the first allocates optimizer states) and records, per rank, the
 model state at rest (local shards of parameters, gradients and optimizer states) and the
 peak of the second step, next to the memory model's prediction and the single-process
-(unsharded) model state. Results: ``DIR/memory.json`` and ``DIR/memory.md``.
+(unsharded) model state. Results: ``DIR/memory.json`` and ``DIR/memory.md``
+(`plait.records.write_report` with the stem ``memory``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from plait import comm
 from plait import distributed as pdist
+from plait.bench import suites
 from plait.bench.records import MemoryRecord
-from plait.flags import option, parse
+from plait.flags import option
 from plait.parallel.api import ParallelModel
 from plait.parallel.memory import (
     PeakMemory,
@@ -32,7 +34,7 @@ from plait.parallel.memory import (
 )
 from plait.parallel.plan import Plan
 from plait.parallel.resolve import adapter_for
-from plait.records import write_json, write_markdown
+from plait.records import write_report
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +156,20 @@ def markdown(records: list[MemoryRecord]) -> str:
 def write(records: list[MemoryRecord], out: Path, *, command: str) -> dict[str, Path]:
     """Write ``memory.json`` and ``memory.md`` into `out` (the names the scorecard and the
     docs read; not ``results.*``, so they can sit beside a ``plait bench`` job's files)."""
-    return {
-        "json": write_json(records, out / "memory.json", indent=2),
-        "markdown": write_markdown(
-            f"# Memory per rank\n\n`{command}`\n\n{markdown(records)}", out / "memory.md"
-        ),
-    }
+    return write_report(
+        out,
+        records,
+        title="Memory per rank",
+        command=command,
+        body=markdown(records),
+        indent=2,
+        stem="memory",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class MembenchConfig:
-    """The command line of ``plait.bench.membench`` (its flags, `plait.flags`).
+    """The command line of ``plait bench membench`` (its flags, `plait.flags`).
 
     Attributes:
         workload: the workload whose benchmark model is measured.
@@ -181,12 +186,8 @@ class MembenchConfig:
     out: str = option(MISSING, "output directory")
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        MembenchConfig,
-        sys.argv[1:] if argv is None else argv,
-        prog="python -m plait.bench.membench",
-    )
+def run_parsed(cfg: MembenchConfig, call: suites.Call) -> int:
+    """Measure the plans of `cfg` on every rank; the main rank writes the report."""
     pdist.init_distributed()
     try:
         torch.set_num_threads(1)
@@ -196,11 +197,16 @@ def main(argv: list[str] | None = None) -> int:
             plans = [p.strip() for p in cfg.plans.split(";") if p.strip()]
         records = run(cfg.workload, plans, batch=cfg.batch_size)
         if pdist.is_main():
-            launch = f"plait run --nodes {pdist.world_size()} -m -- plait.bench.membench"
-            write(records, Path(cfg.out), command=" ".join([launch, *(argv or sys.argv[1:])]))
+            launch = f"plait run --nodes {pdist.world_size()} -m -- {call.module}"
+            write(records, Path(cfg.out), command=" ".join([launch, *call.argv]))
     finally:
         pdist.shutdown()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.membench``: the suite ``membench`` (`plait.bench.suites`)."""
+    return suites.main("membench", argv)
 
 
 if __name__ == "__main__":

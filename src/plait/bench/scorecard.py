@@ -10,7 +10,10 @@ time is within 10% of that plan's. Its time is the median of every step measured
 the automatic run's and, when the same plan also ran explicitly, that run's (two
 measurements of one plan in one job differ only by the machine's noise)::
 
-    python -m plait.bench.scorecard RESULTS.json... --memory MEMORY.json... --out FILE.md
+    plait bench scorecard RESULTS.json... --memory MEMORY.json... --out FILE.md
+
+The report is `plait.records.write_report`'s, named after ``--out``: ``FILE.md`` and
+``FILE.json`` in its folder.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.bench import suites
 from plait.bench.core import Stats
 from plait.bench.records import MemoryRecord, ScoreRow
-from plait.flags import option, parse
+from plait.flags import option
 from plait.parallel.memory import format_bytes, parse_bytes
-from plait.records import write_json, write_markdown
+from plait.records import write_report
 
 #: The choice counts as right within this factor of the fastest fitting plan.
 TOLERANCE = 1.10
@@ -124,27 +128,24 @@ def markdown(rows: list[ScoreRow]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ScorecardConfig:
-    """The command line of ``python -m plait.bench.scorecard`` (its flags, `plait.flags`).
+    """The command line of ``plait bench scorecard`` (its flags, `plait.flags`).
 
     Attributes:
         results: ``plait bench`` ``results.json`` files, explicit and automatic plans.
         memory: `plait.bench.membench` ``memory.json`` files of the same plans.
-        out: where to write the Markdown table (and its JSON beside it); default: none.
+        out: where to write the Markdown report, ``DIR/NAME.md`` (and its JSON beside it,
+            ``DIR/NAME.json``); default: none.
     """
 
     results: tuple[str, ...] = option(
         MISSING, "plait bench results.json files", positional=True, nargs="+"
     )
     memory: tuple[str, ...] = option(MISSING, "membench memory.json files", nargs="+")
-    out: str | None = option(None, "write the Markdown table here")
+    out: str | None = option(None, "write the Markdown report here (NAME.md), its JSON beside it")
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        ScorecardConfig,
-        sys.argv[1:] if argv is None else argv,
-        prog="python -m plait.bench.scorecard",
-    )
+def run_parsed(cfg: ScorecardConfig, call: suites.Call) -> int:
+    """Score every automatic plan, print the table and, with ``--out``, write the report."""
     records = [r for path in cfg.results for r in json.loads(Path(path).read_text())]
     peaks = {
         m.plan: max(m.peak_bytes)
@@ -155,9 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows)
     print(text)
     if cfg.out:
-        write_markdown(text, Path(cfg.out))
-        write_json(rows, Path(cfg.out).with_suffix(".json"), indent=2)
+        out = Path(cfg.out)
+        write_report(
+            out.parent,
+            rows,
+            title="The planner's scorecard",
+            command=call.command,
+            body=text,
+            indent=2,
+            stem=out.stem,
+        )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.scorecard``: the suite ``scorecard`` (`plait.bench.suites`)."""
+    return suites.main("scorecard", argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ the union of its spans (collectives in flight overlap one another), averaged ove
 and steps, next to the step's wall time, so the overlap of communication with computation
 shows as busy times summing to more than the step.
 
-    python -m plait.bench.timeline runs/b/trace_resnet18_fast.json
+    plait bench timeline runs/b/trace_resnet18_fast.json
+
+It prints the table and writes no file.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.bench import suites
 from plait.bench.core import Stats
 from plait.bench.records import TimelineRow
-from plait.flags import option, parse
+from plait.flags import option
 from plait.trace import COMM, COMPUTE, FACTOR, INVERSE, PRECONDITION
 
 Event = dict[str, Any]
@@ -131,7 +134,7 @@ def markdown(rows: Sequence[TimelineRow]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class TimelineConfig:
-    """The command line of ``python -m plait.bench.timeline`` (`plait.flags`).
+    """The command line of ``plait bench timeline`` (`plait.flags`).
 
     Attributes:
         trace: a merged ``plait bench --trace`` file (``.json`` or ``.json.gz``).
@@ -142,15 +145,15 @@ class TimelineConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse(
-        TimelineConfig,
-        argv,
-        prog="python -m plait.bench.timeline",
-        description=__doc__.split("\n\n")[0],
-    )
+def run_parsed(cfg: TimelineConfig, call: suites.Call) -> int:
+    """Print the breakdown of the trace (a table on stdout: the suite writes no report)."""
     print(markdown(breakdown(cfg.trace)), end="")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m plait.bench.timeline``: the suite ``timeline`` (`plait.bench.suites`)."""
+    return suites.main("timeline", argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 One module per command (`add_parser`, `validate`, `run`); what they share is in
 `common` (the parser, cluster flags, checks) and `config` (TOML run configs). This
 module assembles the parser and runs a command: parse, check every input, then run.
+``plait bench SUITE ...`` is the one command line argparse does not see whole: it runs a
+benchmark suite with the suite's own flags (`plait.cli.bench.split_suite`).
 """
 
 from __future__ import annotations
@@ -155,12 +157,38 @@ def _fail(args: argparse.Namespace, code: int, message: str) -> NoReturn:
     raise SystemExit(code)
 
 
+def _run_suite(head: list[str], name: str, argv: list[str]) -> int:
+    """``plait [flags] bench NAME ARGV...``: the suite `name`, with plait's logging and its
+    errors as every command's (a usage error or a ValueError exits with code 2, any other
+    error with 1, in one line unless ``--debug``)."""
+    args = build_parser().parse_args(head)  # plait's own flags, before `bench`
+    args.command = f"bench {name}"
+    try:
+        configure(level_from(args.verbose, args.quiet))
+        return bench.run_suite(name, argv)
+    except ValueError as exc:
+        _fail(args, 2, str(exc))
+    except KeyboardInterrupt:
+        print("\nplait: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        _fail(args, 1, f"{type(exc).__name__}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check every input (exit 2 on a bad one), then run the command.
 
     Bad input, found before anything is built or in the command itself (ValueError), exits
     with code 2; any other error with code 1; both print one line unless ``--debug``.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        suite = bench.split_suite(argv)
+    except ValueError as exc:  # a usage error, as argparse reports one
+        sys.stderr.write(f"plait bench: error: {exc} (see plait bench --help)\n")
+        raise SystemExit(2) from None
+    if suite is not None:
+        return _run_suite(*suite)
     try:
         # a Ctrl-C while torch imports (parsing, checking) stops the command once they end
         with interrupts_held():

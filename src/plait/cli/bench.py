@@ -1,12 +1,22 @@
-"""`plait bench`: strategies side by side on one cluster."""
+"""`plait bench`: strategies side by side on one cluster, or a benchmark suite by name.
+
+``plait bench [flags]`` compares data-parallel strategies on an emulated cluster (the
+flags below). ``plait bench SUITE [flags]`` runs one of the suites of
+`plait.bench.suites` instead, with the suite's own flags: `split_suite` finds the suite's
+name before argparse sees the command line, since the suites' flags are not
+``plait bench``'s and each suite parses its own (`plait.flags`).
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from plait.bench.suites import SUITES
 from plait.cli.common import (
+    ListingFormatter,
     add_cluster_args,
     add_config_arg,
     check_cluster_args,
@@ -19,8 +29,52 @@ from plait.cli.common import (
 from plait.specs import split_specs
 
 
+def split_suite(argv: Sequence[str]) -> tuple[list[str], str, list[str]] | None:
+    """``plait``'s own flags and ``bench``, the suite's name and its arguments, when
+    `argv` (``plait``'s arguments) runs a suite; None otherwise.
+
+    ``plait``'s flags before the command take no value, so the first argument that is not
+    a flag is the command; ``plait bench`` itself takes no positional argument, so one
+    right after it names a suite.
+
+    Raises:
+        ValueError: the argument after ``bench`` names no suite.
+    """
+    for i, arg in enumerate(argv):
+        if arg.startswith("-"):
+            continue
+        if arg != "bench" or i + 1 == len(argv) or argv[i + 1].startswith("-"):
+            return None
+        name = argv[i + 1]
+        if name not in SUITES:
+            raise ValueError(f"no suite {name!r}; the suites: {', '.join(SUITES)}")
+        return list(argv[: i + 1]), name, list(argv[i + 2 :])
+    return None
+
+
+def run_suite(name: str, argv: Sequence[str]) -> int:
+    """Run the suite `name` on its arguments `argv` (``plait bench NAME ARGV...``)."""
+    from plait.bench.suites import main
+
+    return main(name, argv, prog=f"plait bench {name}")
+
+
+def _epilog() -> str:
+    """The list of suites, for ``plait bench --help``."""
+    width = max(map(len, SUITES))
+    lines = [f"  {name:<{width}}  {suite.help}" for name, suite in SUITES.items()]
+    return "\n".join(
+        ["benchmark suites, each with its own flags (plait bench SUITE --help):", *lines]
+    )
+
+
 def add_parser(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmark strategies side by side")
+    b = sub.add_parser(
+        "bench",
+        help="benchmark strategies side by side, or run a benchmark suite",
+        epilog=_epilog(),
+        formatter_class=ListingFormatter,
+    )
     add_config_arg(b)
     b.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
     b.add_argument(

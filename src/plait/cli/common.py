@@ -43,6 +43,11 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
+class ListingFormatter(_Formatter, argparse.RawDescriptionHelpFormatter):
+    """`Parser`'s help, with the description and the epilog printed line by line as
+    written: an epilog that lists things (``plait bench``'s suites) keeps one per line."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line: the flag, the bad value, what it takes.
 

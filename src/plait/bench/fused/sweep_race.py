@@ -18,7 +18,7 @@ weights and data order depend only on ``--seed`` and *n* (`plait.fused.sweep.run
 Repeats rotate the modes (fused, sequential, concurrent; then sequential, concurrent,
 fused; ...) so that no mode always runs first on a machine whose speed drifts.
 
-    python -m plait.bench.fused.sweep_race --trials 32 --epochs 10 --repeats 3 \\
+    plait bench sweep-race --trials 32 --epochs 10 --repeats 3 \\
         --concurrent 2 --out benchmarks/hfta/sweep-race
 
 Each run gets a fresh SQLite storage in a temporary folder, whose study the race creates
@@ -51,9 +51,10 @@ from typing import Any
 import optuna
 
 from plait._proc import usable_cpus
+from plait.bench import suites
 from plait.bench.core import Order, Stats, schedule
 from plait.cpu import read_jiffies
-from plait.flags import option, parse
+from plait.flags import option
 from plait.records import provenance, pyplot, save_figure, write_report
 
 #: Named in full: run as ``python -m``, ``__name__`` is ``__main__``, outside the ``plait``
@@ -866,22 +867,14 @@ class RaceFlags:
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_parsed(flags: RaceFlags, call: suites.Call) -> int:
     """Run the race, print its table, and write the reports with ``--out``."""
     from plait.log import configure
 
-    flags = parse(
-        RaceFlags,
-        argv,
-        prog="python -m plait.bench.fused.sweep_race",
-        description=__doc__,
-        verbatim=True,
-    )
     cfg = flags.race()
     configure()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per study created
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = shlex.join(["python", "-m", "plait.bench.fused.sweep_race", *argv])
+    command = call.quoted
     meta = provenance(command=command)  # the code as the race starts
     runs = run_race(cfg)
     summary = summarize(runs, tolerance=cfg.tolerance)
@@ -891,6 +884,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_results(Path(flags.out), cfg, runs, summary, command=command, meta=meta)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m plait.bench.fused.sweep_race``: the suite ``sweep-race``
+    (`plait.bench.suites`)."""
+    return suites.main("sweep-race", argv)
 
 
 if __name__ == "__main__":

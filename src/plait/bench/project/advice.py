@@ -320,13 +320,17 @@ def _seconds(t: float) -> str:
     return f"{1e3 * t:.1f} ms" if t < 1 else f"{t:.2f} s"
 
 
-def map_markdown(cells: Sequence[Cell], *, title: str) -> str:
+def map_markdown(cells: Sequence[Cell], *, title: str, heading: bool = True) -> str:
+    """The map as Markdown: the winner per (nodes, rate), then every candidate's step.
+
+    `heading`: start with `title` as a heading; a report that has its own title (the
+    ``map.md`` `plait.records.write_report` writes) leaves it out.
+    """
     rates = list(dict.fromkeys(c.rate for c in cells))
     nodes = list(dict.fromkeys(c.nodes for c in cells))
     by = {(c.nodes, c.rate): c for c in cells}
-    lines = [
-        f"## {title}",
-        "",
+    lines = [f"## {title}", ""] if heading else []
+    lines += [
         "| nodes | " + " | ".join(rates) + " |",
         "|---|" + "---|" * len(rates),
     ]
