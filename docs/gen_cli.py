@@ -1,4 +1,5 @@
-"""Command-line reference, rendered from `plait.cli.build_parser()` at build time.
+"""Command-line reference, rendered from `plait.cli.build_parser()` and the benchmark
+suites' parsers (`plait.bench.suites`) at build time.
 
 Every (sub)command gets its usage line and one table per argument group: the flag, its
 default and its help, exactly as the parser defines them, so the page cannot drift from
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))  # this tree's parser, whatever is installed
 os.environ["COLUMNS"] = "92"  # argparse wraps usage lines to this width
 
+from plait.bench.suites import SUITES, parser as suite_parser  # noqa: E402
 from plait.cli import build_parser  # noqa: E402
 
 PAGE = "cli.md"
@@ -140,6 +142,13 @@ lines = [
     "with options after a colon (`acpsgd:rank=4`; see the [user guide](guide/data-parallel.md)).\n",
 ]
 render(parser, 2, "", lines)
+lines += [
+    "## Benchmark suites: `plait bench SUITE`\n",
+    "Each suite has flags of its own, generated from its config; `python -m` of its module "
+    "takes the same.\n",
+]
+for name, suite in SUITES.items():
+    render(suite_parser(suite, prog=f"plait bench {name}"), 3, suite.help, lines)
 with mkdocs_gen_files.open(PAGE, "w") as fh:
     fh.write("\n".join(lines) + "\n")
 mkdocs_gen_files.set_edit_path(PAGE, "src/plait/cli/__init__.py")

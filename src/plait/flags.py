@@ -215,10 +215,19 @@ def parse(
         SystemExit: ``--help`` (status 0), or a bad command line or a value `config`
             refuses with ValueError (status 2, with the usage and the message).
     """
+    parser = parser_for(config, prog=prog, description=description, verbatim=verbatim)
+    return _build(parser, config, parser.parse_args(argv))
+
+
+def parser_for(
+    config: type, *, prog: str, description: str | None = None, verbatim: bool = False
+) -> argparse.ArgumentParser:
+    """The parser `parse` reads `config`'s command line with (the docs' command-line
+    reference and the flag freeze read the same one)."""
     layout = argparse.RawDescriptionHelpFormatter if verbatim else argparse.HelpFormatter
     parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=layout)
     add_options(parser, config)
-    return _build(parser, config, parser.parse_args(argv))
+    return parser
 
 
 def parse_command(
@@ -242,12 +251,20 @@ def parse_command(
     Raises:
         SystemExit: as `parse` does, a missing or unknown subcommand included.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    sub = parser.add_subparsers(dest=_COMMAND, required=True)
-    parsers: dict[str, argparse.ArgumentParser] = {}
-    for name, (config, help) in commands.items():
-        parsers[name] = sub.add_parser(name, help=help)
-        add_options(parsers[name], config)
+    parser = command_parser(commands, prog=prog, description=description)
     args = parser.parse_args(argv)
     name = getattr(args, _COMMAND)
-    return _build(parsers[name], commands[name][0], args)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return _build(sub.choices[name], commands[name][0], args)
+
+
+def command_parser(
+    commands: Mapping[str, tuple[type, str]], *, prog: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """The parser `parse_command` reads a command line of `commands` with: one subparser
+    per subcommand, with its config's flags."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    sub = parser.add_subparsers(dest=_COMMAND, required=True)
+    for name, (config, help) in commands.items():
+        add_options(sub.add_parser(name, help=help), config)
+    return parser

@@ -27,6 +27,7 @@ workers `plait.bench.harness` and `plait.bench.race`, which the ``plait bench`` 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import shlex
 import sys
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
 from typing import Any, Literal
 
-from plait.flags import parse, parse_command
+from plait.flags import command_parser, parse, parse_command, parser_for
 
 #: How a suite's ``--help`` describes it, from its module's docstring: not at all, its
 #: first line, its first paragraph, or all of it.
@@ -82,6 +83,10 @@ class Suite:
     def load(self) -> ModuleType:
         """The suite's module, imported now (the first time it is needed)."""
         return importlib.import_module(self.module)
+
+    def table(self, module: ModuleType) -> dict[str, tuple[type, str]]:
+        """Each subcommand's config class (from `module`) and help."""
+        return {name: (getattr(module, config), text) for name, config, text in self.commands}
 
     def describe(self, module: ModuleType) -> str | None:
         """The text ``--help`` prints above the flags, from `module`'s docstring."""
@@ -236,8 +241,18 @@ def parse_suite(suite: Suite, argv: Sequence[str], *, prog: str) -> tuple[Module
         return module, parse(
             config, argv, prog=prog, description=description, verbatim=suite.verbatim
         )
-    table = {name: (getattr(module, config), text) for name, config, text in suite.commands}
-    return module, parse_command(table, argv, prog=prog, description=description)
+    return module, parse_command(suite.table(module), argv, prog=prog, description=description)
+
+
+def parser(suite: Suite, *, prog: str) -> argparse.ArgumentParser:
+    """The parser of `suite`'s command line, as `parse_suite` reads it (for the docs'
+    command-line reference and the flag freeze)."""
+    module = suite.load()
+    description = suite.describe(module)
+    if suite.config is not None:
+        config = getattr(module, suite.config)
+        return parser_for(config, prog=prog, description=description, verbatim=suite.verbatim)
+    return command_parser(suite.table(module), prog=prog, description=description)
 
 
 def main(name: str, argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
