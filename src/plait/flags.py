@@ -35,6 +35,10 @@ _SCALARS = (str, int, float, bool, Path)
 #: The namespace attribute `parse_command` stores the chosen subcommand under.
 _COMMAND = "command"
 
+#: The parser `parser_for` and `command_parser` build: modules that take their flags from
+#: configs name its type through here, not argparse (they build no parser of their own).
+Parser = argparse.ArgumentParser
+
 T = TypeVar("T")
 
 

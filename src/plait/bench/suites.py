@@ -27,7 +27,6 @@ workers `plait.bench.harness` and `plait.bench.race`, which the ``plait bench`` 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import shlex
 import sys
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
 from typing import Any, Literal
 
-from plait.flags import command_parser, parse, parse_command, parser_for
+from plait.flags import Parser, command_parser, parse, parse_command, parser_for
 
 #: How a suite's ``--help`` describes it, from its module's docstring: not at all, its
 #: first line, its first paragraph, or all of it.
@@ -244,7 +243,7 @@ def parse_suite(suite: Suite, argv: Sequence[str], *, prog: str) -> tuple[Module
     return module, parse_command(suite.table(module), argv, prog=prog, description=description)
 
 
-def parser(suite: Suite, *, prog: str) -> argparse.ArgumentParser:
+def parser(suite: Suite, *, prog: str) -> Parser:
     """The parser of `suite`'s command line, as `parse_suite` reads it (for the docs'
     command-line reference and the flag freeze)."""
     module = suite.load()
