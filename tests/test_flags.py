@@ -270,3 +270,29 @@ def test_the_cluster_flags_are_one_shared_config() -> None:
         ClusterConfig(bandwidth="slow,fast")  # one rate only
     with pytest.raises(ValueError, match="a modelled link loses no packets"):
         ClusterConfig(loss=1.0, link="model")
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "required"),
+    [
+        (["crossover", "run", "a/b", "c/d"], "crossover:CrossoverConfig", {"jobs": ("a/b", "c/d")}),
+        (["race", "--target", "0.9"], "race:RaceConfig", {"target": 0.9}),
+        (["sweep"], "sweep:SweepCommandConfig", {}),
+        (["bench"], "bench:BenchCommandConfig", {}),
+        (["bench-fused"], "bench_fused:BenchFusedCommandConfig", {}),
+    ],
+)
+def test_commands_take_their_flags_from_their_configs(
+    argv: list[str], config: str, required: dict[str, object]
+) -> None:
+    """Each command's defaults are its config's and every field is a flag, so a
+    command's flags and its config cannot drift apart."""
+    import importlib
+
+    from plait.cli import build_parser
+
+    module, name = config.split(":")
+    cls = getattr(importlib.import_module(f"plait.cli.{module}"), name)
+    args = build_parser().parse_args(argv)
+    assert set(values_of(args, cls)) == {f.name for f in fields(cls)}
+    assert build(args, cls) == cls(**required)
