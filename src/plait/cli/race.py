@@ -173,6 +173,7 @@ def _race_spec(cfg: RaceConfig) -> Any:
             f"--lr {unknown[0]}=...: no such entry; entries are "
             + ", ".join(e.label for e in entries)
         )
+    assert cfg.target is not None  # the constructor requires one, --report aside
     return RaceSpec(
         workload=cfg.workload,
         entries=entries,

@@ -189,9 +189,11 @@ def _sweep_space(cfg: SweepCommandConfig) -> Any:
     momentum = cfg.momentum
     if momentum is None and optimizer is OptimizerKind.SGD:
         momentum = 0.9
+    lr_lo, lr_hi = cfg.lr or DEFAULT_LR[optimizer]  # two values: the constructor checked
+    wd_lo, wd_hi = cfg.weight_decay or (1e-6, 1e-2)
     return SearchSpace(
-        lr=tuple(cfg.lr or DEFAULT_LR[optimizer]),
-        weight_decay=tuple(cfg.weight_decay or (1e-6, 1e-2)),
+        lr=(lr_lo, lr_hi),
+        weight_decay=(wd_lo, wd_hi),
         momentum=momentum,
         batch_sizes=cfg.batch_sizes or (32,),
         widths=cfg.widths,
