@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-from plait.flags import add_options, option, parse, parse_command, values_of
+from plait.flags import add_options, build, nested, option, parse, parse_command, values_of
 
 
 @dataclass(kw_only=True)
@@ -192,3 +192,107 @@ def test_benchmarks_take_their_flags_from_configs() -> None:
             if "argparse" in names:
                 offenders.append(str(path.relative_to(bench)))
     assert not offenders, f"argparse imported in {offenders}; declare a config (plait.flags)"
+
+
+def _pair(text: str) -> tuple[int, ...]:
+    """``LO,HI`` as two integers (a flag whose text is not its field's type)."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO,HI") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shared:
+    size: int = option(2, "how big")
+    speed: str | None = option(None, "how fast")
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError("--size must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Owner:
+    task: str = option("a", "the task (--job is the earlier name)", aliases=("--job",))
+    shared: _Shared = nested(_Shared, group="shared things")
+    span: tuple[int, ...] | None = option(None, "a range LO,HI", parse=_pair)
+    last: int = option(0, "the last flag")
+
+
+def test_an_alias_a_parser_and_a_nested_config_are_flags_of_the_owner() -> None:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_options(p, _Owner)
+    assert build(p.parse_args([]), _Owner) == _Owner()
+    args = p.parse_args(["--job", "b", "--size", "3", "--span", "1,5", "--speed", "fast"])
+    assert build(args, _Owner) == _Owner(
+        task="b", shared=_Shared(size=3, speed="fast"), span=(1, 5)
+    )
+    with pytest.raises(argparse.ArgumentError, match="expected LO,HI"):
+        p.parse_args(["--span", "x"])
+    with pytest.raises(ValueError, match="--size must be >= 1"):
+        build(p.parse_args(["--size", "0"]), _Owner)  # the nested config checks its own
+    # the nested flags sit where the field is, in their own group of --help
+    options = [a.option_strings for a in p._actions]
+    assert options == [["-h", "--help"], ["--task", "--job"], ["--size"], ["--speed"],
+                       ["--span"], ["--last"]]  # fmt: skip
+    group = next(g for g in p._action_groups if g.title == "shared things")
+    assert [a.dest for a in group._group_actions] == ["size", "speed"]
+    assert "--task TASK, --job TASK" in p.format_help()
+
+
+def test_parse_reports_a_nested_configs_refusal_as_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(_Owner, ["--size", "0"], prog="cmd")
+    assert exc.value.code == 2 and "--size must be >= 1" in capsys.readouterr().err
+
+
+def test_the_cluster_flags_are_one_shared_config() -> None:
+    """Every command's emulated-cluster flags come from `ClusterConfig`, whose constructor
+    checks and normalises them as `check_cluster_args` does."""
+    from plait.cli.common import (
+        CLUSTER_GROUP,
+        ClusterConfig,
+        MultiRateClusterConfig,
+        add_cluster_args,
+    )
+
+    p = argparse.ArgumentParser()
+    add_cluster_args(p, multi_bandwidth=True)
+    cluster = build(p.parse_args(["--bandwidth", " Slow,FAST", "--latency", "2MS"]),
+                    MultiRateClusterConfig)  # fmt: skip
+    assert (cluster.bandwidth, cluster.latency) == ("slow,fast", "2ms")
+    assert cluster.bandwidths() == ["slow", "fast"] and cluster.world == 4
+    assert [g.title for g in p._action_groups][-1] == CLUSTER_GROUP
+    with pytest.raises(ValueError, match="--bandwidth"):
+        ClusterConfig(bandwidth="slow,fast")  # one rate only
+    with pytest.raises(ValueError, match="a modelled link loses no packets"):
+        ClusterConfig(loss=1.0, link="model")
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "required"),
+    [
+        (["crossover", "run", "a/b", "c/d"], "crossover:CrossoverConfig", {"jobs": ("a/b", "c/d")}),
+        (["race", "--target", "0.9"], "race:RaceConfig", {"target": 0.9}),
+        (["sweep"], "sweep:SweepCommandConfig", {}),
+        (["bench"], "bench:BenchCommandConfig", {}),
+        (["bench-fused"], "bench_fused:BenchFusedCommandConfig", {}),
+    ],
+)
+def test_commands_take_their_flags_from_their_configs(
+    argv: list[str], config: str, required: dict[str, object]
+) -> None:
+    """Each command's defaults are its config's and every field is a flag, so a
+    command's flags and its config cannot drift apart."""
+    import importlib
+
+    from plait.cli import build_parser
+
+    module, name = config.split(":")
+    cls = getattr(importlib.import_module(f"plait.cli.{module}"), name)
+    args = build_parser().parse_args(argv)
+    assert set(values_of(args, cls)) == {f.name for f in fields(cls)}
+    assert build(args, cls) == cls(**required)

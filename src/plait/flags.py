@@ -18,6 +18,12 @@ turned on by ``--<name>``. A field without a default (``option(MISSING, ...)``) 
 required flag. A ``tuple[X, ...]`` field takes several values, by repeating its flag
 (``--run a --run b``) or, with ``nargs="+"``, after one (``--memory a b``). A positional
 field is an argument without a flag. Fields without `option` have no flag.
+
+Where the flag's text is not the field's type (``--seeds 0,1,2`` for a tuple of ints, a
+size ``2GiB`` for a byte count), ``option(parse=...)`` names the function that reads it.
+A field declared with `nested` holds another config whose flags are this one's too, in
+an argument group of their own: commands that share a set of flags (an emulated
+cluster's) share one config for them.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 _KEY = "plait.flag"
+_NESTED = "plait.flags"
 _SCALARS = (str, int, float, bool, Path)
 #: The namespace attribute `parse_command` stores the chosen subcommand under.
 _COMMAND = "command"
@@ -53,6 +60,16 @@ class Option:
     positional: bool = False
     nargs: Literal["+"] | None = None
     hidden: bool = False
+    aliases: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A field that holds another config, whose flags are its owner's (see `nested`)."""
+
+    config: type
+    group: str | None = None
 
 
 def option(
@@ -65,6 +82,8 @@ def option(
     positional: bool = False,
     nargs: Literal["+"] | None = None,
     hidden: bool = False,
+    aliases: Sequence[str] = (),
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A dataclass field with a flag: `default`, and the flag's `help`.
 
@@ -78,6 +97,10 @@ def option(
         positional: an argument without a flag, named by `metavar` (required: no default).
         nargs: ``"+"``: a ``tuple[X, ...]`` field's values follow one flag, not one each.
         hidden: left out of ``--help``: a flag for the program's own use, not a user's.
+        aliases: further spellings of the flag (``("--task",)``, an earlier name kept).
+        parse: reads the flag's text into the field's value where the type cannot
+            (``--seeds 0,1,2`` into a tuple); it raises ``argparse.ArgumentTypeError``
+            (or ValueError) for text it refuses. The flag then takes one value.
     """
     meta = Option(
         help,
@@ -87,8 +110,22 @@ def option(
         positional,
         nargs,
         hidden,
+        tuple(aliases),
+        parse,
     )
     return field(default=default, metadata={_KEY: meta})
+
+
+def nested(config: type, *, group: str | None = None) -> Any:
+    """A dataclass field holding a `config` whose flags are its owner's too.
+
+    A set of flags several commands take (an emulated cluster's) is declared once, as a
+    config of its own; each command's config holds one. Its flags sit where the field
+    does, in the argument group `group` of ``--help`` where one is named, and parse into
+    the same namespace as the owner's (their names must not clash). The field's default
+    is `config`'s defaults.
+    """
+    return field(default_factory=config, metadata={_NESTED: Nested(config, group)})
 
 
 def _scalar(hint: Any) -> tuple[type, tuple[str, ...] | None]:
@@ -122,67 +159,113 @@ def _flagged(config: type) -> list[tuple[Field[Any], Option, Any]]:
     return [(f, f.metadata[_KEY], hints[f.name]) for f in fields(config) if _KEY in f.metadata]
 
 
-def add_options(parser: argparse.ArgumentParser, config: type) -> None:
-    """Add a flag for every `option` field of the dataclass `config`.
+def add_options(parser: Any, config: type) -> None:
+    """Add a flag for every `option` field of the dataclass `config`, in field order, and
+    those of every config a `nested` field holds where that field is.
+
+    Args:
+        parser: an ``argparse.ArgumentParser``, or an argument group of one.
+        config: the dataclass.
 
     Raises:
         TypeError: a field's type has no flag form (a programming error in the config).
     """
     groups: dict[str, Any] = {}
-    for f, meta, hint in _flagged(config):
-        default = f.default
-        target: Any = parser
-        if meta.exclusive is not None:
-            if meta.exclusive not in groups:
-                groups[meta.exclusive] = parser.add_mutually_exclusive_group()
-            target = groups[meta.exclusive]
-        name = f.name.replace("_", "-")
-        text = argparse.SUPPRESS if meta.hidden else meta.help
-        item = _items(hint)
+    hints = typing.get_type_hints(config)
+    for f in fields(config):
+        if _NESTED in f.metadata:
+            inner: Nested = f.metadata[_NESTED]
+            target = parser if inner.group is None else parser.add_argument_group(inner.group)
+            add_options(target, inner.config)
+        elif _KEY in f.metadata:
+            _add_option(parser, f, f.metadata[_KEY], hints[f.name], groups)
+
+
+def _add_option(
+    parser: Any, f: Field[Any], meta: Option, hint: Any, groups: dict[str, Any]
+) -> None:
+    """Add the flag of one `option` field (`groups`: the exclusive groups made so far)."""
+    default = f.default
+    target: Any = parser
+    if meta.exclusive is not None:
+        if meta.exclusive not in groups:
+            groups[meta.exclusive] = parser.add_mutually_exclusive_group()
+        target = groups[meta.exclusive]
+    name = f.name.replace("_", "-")
+    text = argparse.SUPPRESS if meta.hidden else meta.help
+    item = None if meta.parse is not None else _items(hint)
+    if meta.parse is not None:
+        kind, choices = meta.parse, None
+    else:
         kind, choices = _scalar(hint if item is None else item)
-        if kind is bool:
-            if default:
-                target.add_argument(f"--no-{name}", dest=f.name, action="store_false", help=text)
-            else:
-                target.add_argument(f"--{name}", action="store_true", help=text)
-            continue
-        kw: dict[str, Any] = {"help": text}
-        if default is MISSING:
-            if not meta.positional:  # argparse: a positional is required by its nature
-                kw["required"] = True
-        elif meta.positional:
-            raise TypeError(f"{f.name}: a positional argument has no default")
-        elif item is not None and not meta.nargs and default:
-            # argparse appends a repeated flag's values to its default, never replaces it
-            raise TypeError(f"{f.name}: a repeated flag's default must be empty")
+    if kind is bool:
+        if default:
+            target.add_argument(
+                f"--no-{name}", *meta.aliases, dest=f.name, action="store_false", help=text
+            )
         else:
-            kw["default"] = list(default) if item is not None else default
-        if kind is not str:
-            kw["type"] = kind
-        if meta.choices or choices:
-            kw["choices"] = list(meta.choices or choices or ())
-        if meta.metavar is not None:
-            kw["metavar"] = meta.metavar
-        if item is not None:
-            if meta.nargs or meta.positional:
-                kw["nargs"] = "+"
-            else:
-                kw["action"] = "append"
-        target.add_argument(f.name if meta.positional else f"--{name}", **kw)
+            target.add_argument(
+                f"--{name}", *meta.aliases, dest=f.name, action="store_true", help=text
+            )
+        return
+    kw: dict[str, Any] = {"help": text}
+    if default is MISSING:
+        if not meta.positional:  # argparse: a positional is required by its nature
+            kw["required"] = True
+    elif meta.positional:
+        raise TypeError(f"{f.name}: a positional argument has no default")
+    elif item is not None and not meta.nargs and default:
+        # argparse appends a repeated flag's values to its default, never replaces it
+        raise TypeError(f"{f.name}: a repeated flag's default must be empty")
+    else:
+        kw["default"] = list(default) if item is not None else default
+    if kind is not str:
+        kw["type"] = kind
+    if meta.choices or choices:
+        kw["choices"] = list(meta.choices or choices or ())
+    if meta.metavar is not None:
+        kw["metavar"] = meta.metavar
+    if item is not None:
+        if meta.nargs or meta.positional:
+            kw["nargs"] = "+"
+        else:
+            kw["action"] = "append"
+    if meta.positional:
+        target.add_argument(f.name, **kw)
+    else:
+        target.add_argument(f"--{name}", *meta.aliases, dest=f.name, **kw)
 
 
 def values_of(args: argparse.Namespace, config: type) -> dict[str, Any]:
     """The parsed values of `config`'s flagged fields, by field name (those present).
 
-    A flag of several values, parsed into a list, comes back as the field's tuple.
+    A flag of several values, parsed into a list, comes back as the field's tuple; a
+    `nested` field, as its config built from its flags (where any is present).
+
+    Raises:
+        ValueError: a nested config refuses its values (its constructor's message).
     """
     parsed = vars(args)
     out: dict[str, Any] = {}
-    for f, _, _ in _flagged(config):
-        if f.name in parsed:
+    for f in fields(config):
+        if _NESTED in f.metadata:
+            inner: type = f.metadata[_NESTED].config
+            values = values_of(args, inner)
+            if values:
+                out[f.name] = inner(**values)
+        elif _KEY in f.metadata and f.name in parsed:
             value = parsed[f.name]
             out[f.name] = tuple(value) if isinstance(value, list) else value
     return out
+
+
+def build(args: argparse.Namespace, config: type[T]) -> T:
+    """The `config` that parsed `args` describe: its constructor checks the values.
+
+    Raises:
+        ValueError: `config` (or a config it nests) refuses a value.
+    """
+    return config(**values_of(args, config))
 
 
 def _build(parser: argparse.ArgumentParser, config: type[T], args: argparse.Namespace) -> T:
@@ -192,7 +275,7 @@ def _build(parser: argparse.ArgumentParser, config: type[T], args: argparse.Name
     the way argparse refuses a bad type: the usage, the message, exit status 2.
     """
     try:
-        return config(**values_of(args, config))
+        return build(args, config)
     except ValueError as e:
         parser.error(str(e))
 

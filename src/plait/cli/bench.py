@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plait.bench.suites import SUITES
 from plait.cli.common import (
+    CLUSTER_GROUP,
     ListingFormatter,
-    add_cluster_args,
+    MultiRateClusterConfig,
     add_config_arg,
-    check_cluster_args,
     check_strategies,
     check_tensorboard_dir,
     int_at_least,
     workload_list,
     writable_dir,
 )
+from plait.flags import add_options, build, nested, option
 from plait.specs import split_specs
 
 
@@ -68,6 +70,57 @@ def _epilog() -> str:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class BenchCommandConfig:
+    """What ``plait bench`` (without a suite) compares: the schema of its flags
+    (`plait.flags`); ``--config`` is the parser's, not a field: it names a file of them.
+
+    The constructor checks what the values alone decide (ValueError naming the flag);
+    `validate` checks the folders and every strategy against every workload.
+
+    Attributes:
+        workload: the workloads, comma-separated.
+        strategies: the strategy specs, comma-separated (``;`` between specs whose
+            options hold commas).
+        cluster: the emulated cluster (one run per ``--bandwidth`` rate).
+        steps: measured steps per strategy.
+        warmup: discarded steps per strategy.
+        batch_size: per-worker batch size (default: the workload's benchmark batch).
+        out: output directory (results.json/.md/.png), None for none.
+        trace: write a merged trace per job.
+        tensorboard: also write each strategy's scalars as TensorBoard events here.
+    """
+
+    workload: str = option("resnet18", "workload(s), comma-separated")
+    strategies: str = option(
+        "ssgd",
+        "strategy specs, comma-separated; use ; between specs whose options contain commas",
+    )
+    cluster: MultiRateClusterConfig = nested(MultiRateClusterConfig, group=CLUSTER_GROUP)
+    steps: int = option(10, "measured steps per strategy")
+    warmup: int = option(2, "discarded steps per strategy")
+    batch_size: int | None = option(
+        None, "per-worker batch size (default: the workload's benchmark batch)"
+    )
+    out: str | None = option(None, "output directory (results.json/.md/.png)")
+    trace: bool = option(False, "write a merged trace per job")
+    tensorboard: str | None = option(
+        None,
+        "also write each strategy's scalars (throughput, step time, bytes per step) "
+        "as TensorBoard events here",
+        metavar="DIR",
+    )
+
+    def __post_init__(self) -> None:
+        int_at_least("--steps", self.steps, 1)
+        int_at_least("--warmup", self.warmup, 0)
+        int_at_least("--batch-size", self.batch_size, 1)
+
+    def workloads(self) -> list[str]:
+        """The workloads' names, in order."""
+        return [w.strip() for w in self.workload.split(",") if w.strip()]
+
+
 def add_parser(sub: Any) -> None:
     b = sub.add_parser(
         "bench",
@@ -76,76 +129,50 @@ def add_parser(sub: Any) -> None:
         formatter_class=ListingFormatter,
     )
     add_config_arg(b)
-    b.add_argument("--workload", default="resnet18", help="workload(s), comma-separated")
-    b.add_argument(
-        "--strategies",
-        default="ssgd",
-        help="strategy specs, comma-separated; use ; between specs whose options contain commas",
-    )
-    add_cluster_args(b, multi_bandwidth=True)
-    b.add_argument("--steps", type=int, default=10, help="measured steps per strategy")
-    b.add_argument("--warmup", type=int, default=2, help="discarded steps per strategy")
-    b.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="per-worker batch size (default: the workload's benchmark batch)",
-    )
-    b.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
-    b.add_argument("--trace", action="store_true", help="write a merged trace per job")
-    b.add_argument(
-        "--tensorboard",
-        default=None,
-        metavar="DIR",
-        help="also write each strategy's scalars (throughput, step time, bytes per step) "
-        "as TensorBoard events here",
-    )
+    add_options(b, BenchCommandConfig)
 
 
 def validate(args: argparse.Namespace) -> None:
-    check_cluster_args(args, multi_bandwidth=True)
-    int_at_least("--steps", args.steps, 1)
-    int_at_least("--warmup", args.warmup, 0)
-    int_at_least("--batch-size", args.batch_size, 1)
-    writable_dir("--out", args.out)
-    check_tensorboard_dir(args.tensorboard)
+    cfg = build(args, BenchCommandConfig)
+    args.placement = cfg.cluster.placement()  # the strategies' backend, checked below
+    writable_dir("--out", cfg.out)
+    check_tensorboard_dir(cfg.tensorboard)
     check_strategies(
-        split_specs(args.strategies),
-        workload_list(args.workload),
-        args.nodes * args.nproc_per_node,
-        args,
+        split_specs(cfg.strategies), workload_list(cfg.workload), cfg.cluster.world, args
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from plait.bench.report import write_reports
+    return run_config(build(args, BenchCommandConfig))
+
+
+def run_config(cfg: BenchCommandConfig) -> int:
+    """Run the comparison `cfg` describes: every strategy on every workload, at each
+    ``--bandwidth`` rate."""
+    from plait.bench.report import markdown_table, write_reports
     from plait.bench.runner import run_bench
 
-    bandwidths: list[str | None] = (
-        [b.strip() for b in args.bandwidth.split(",")] if args.bandwidth else [None]
-    )
-    out = Path(args.out) if args.out else None
+    cluster = cfg.cluster
+    out = Path(cfg.out) if cfg.out else None
     records = run_bench(
-        workloads=[w.strip() for w in args.workload.split(",") if w.strip()],
-        strategies=split_specs(args.strategies),
-        nodes=args.nodes,
-        nproc_per_node=args.nproc_per_node,
-        bandwidths=bandwidths,
-        latency=args.latency,
-        loss=args.loss,
-        steps=args.steps,
-        warmup=args.warmup,
-        batch_size=args.batch_size,
-        threads=args.threads,
+        workloads=cfg.workloads(),
+        strategies=split_specs(cfg.strategies),
+        nodes=cluster.nodes,
+        nproc_per_node=cluster.nproc_per_node,
+        bandwidths=cluster.bandwidths(),
+        latency=cluster.latency,
+        loss=cluster.loss,
+        steps=cfg.steps,
+        warmup=cfg.warmup,
+        batch_size=cfg.batch_size,
+        threads=cluster.threads,
         out=out,
-        trace=args.trace,
+        trace=cfg.trace,
     )
-    from plait.bench.report import markdown_table
-
-    if args.tensorboard:
+    if cfg.tensorboard:
         from plait.bench.runner import write_scalars
 
-        write_scalars(records, Path(args.tensorboard))
+        write_scalars(records, Path(cfg.tensorboard))
 
     print(markdown_table(records))
     if out is not None:

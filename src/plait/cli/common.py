@@ -9,10 +9,12 @@ import os
 import re
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, Literal, NoReturn
 
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
+from plait.flags import add_options, option, values_of
 from plait.log import check_tensorboard
 from plait.units import parse_size
 
@@ -65,51 +67,125 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = False) -> None:
-    g = p.add_argument_group("emulated cluster")
-    g.add_argument(
-        "--nodes", type=int, default=DEFAULT_NODES, help="emulated nodes (network namespaces)"
-    )
-    g.add_argument("--nproc-per-node", type=int, default=1, help="worker processes per node")
-    bw_help = (
+def _bandwidth_help(*, multi: bool) -> str:
+    """``--bandwidth``'s help: the named rates, and whether a list of rates runs each."""
+    text = (
         f"egress rate per node: a tc rate from 1kbit to 1tbit (100mbit, 1gbit; bps is bytes/s, "
         f"as in tc) or a named setting "
         f"({', '.join(f'{k}={v}' for k, v in NAMED_RATES.items())})"
     )
-    if multi_bandwidth:
-        bw_help += "; a comma-separated list runs each"
-    bw_help += " (default: unshaped)"
-    g.add_argument("--bandwidth", default=None, help=bw_help)
-    g.add_argument(
-        "--latency",
-        default=None,
-        help="added one-way delay per link, up to 60s, e.g. 2ms (default: none)",
+    if multi:
+        text += "; a comma-separated list runs each"
+    return text + " (default: unshaped)"
+
+
+#: The argument group of ``--help`` that holds the emulated cluster's flags.
+CLUSTER_GROUP = "emulated cluster"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The emulated cluster a command runs on: the schema of its flags (`plait.flags`).
+
+    Every command that builds a cluster takes the same flags with the same checks, so
+    they are declared once; a command's config holds one (``nested(ClusterConfig)``).
+    The constructor checks the values (ValueError naming the flag) and normalises
+    ``bandwidth`` and ``latency`` to what tc reads. Where the ranks compute (``device``)
+    is checked against this machine by `placement`, not here: a config may describe a
+    cluster of another machine.
+
+    Attributes:
+        nodes: emulated nodes (network namespaces).
+        nproc_per_node: worker processes per node.
+        bandwidth: egress rate per node (a tc rate or a named one), None for unshaped.
+        latency: added one-way delay per link (``2ms``), None for none.
+        loss: packet loss per link in percent, None for none.
+        threads: intra-op threads per worker process.
+        timeout: wall-clock limit in seconds, None for none.
+        device: where the ranks compute (``auto``: cuda if present).
+        link: how the links are shaped: tc on network namespaces, or an alpha-beta model.
+    """
+
+    #: Whether ``--bandwidth`` takes a comma-separated list of rates, one run each.
+    MULTI_BANDWIDTH: ClassVar[bool] = False
+
+    nodes: int = option(DEFAULT_NODES, "emulated nodes (network namespaces)")
+    nproc_per_node: int = option(1, "worker processes per node")
+    bandwidth: str | None = option(None, _bandwidth_help(multi=False))
+    latency: str | None = option(
+        None, "added one-way delay per link, up to 60s, e.g. 2ms (default: none)"
     )
-    g.add_argument(
-        "--loss",
-        type=float,
-        default=None,
-        help="packet loss per link, percent in [0, 100) (default: none)",
-    )
-    g.add_argument("--threads", type=int, default=1, help="intra-op threads per worker process")
-    g.add_argument(
-        "--timeout", type=float, default=None, help="wall-clock limit in seconds (default: none)"
-    )
-    g.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="where the ranks compute: cuda puts every rank on this host's GPUs (ranks "
+    loss: float | None = option(None, "packet loss per link, percent in [0, 100) (default: none)")
+    threads: int = option(1, "intra-op threads per worker process")
+    timeout: float | None = option(None, "wall-clock limit in seconds (default: none)")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto",
+        "where the ranks compute: cuda puts every rank on this host's GPUs (ranks "
         "sharing a GPU talk through gloo, a GPU each through NCCL); auto: cuda if present",
     )
-    g.add_argument(
-        "--link",
-        default="auto",
-        choices=["auto", "tc", "model"],
-        help="how --bandwidth/--latency shape the links: tc on network namespaces (root, "
+    link: Literal["auto", "tc", "model"] = option(
+        "auto",
+        "how --bandwidth/--latency shape the links: tc on network namespaces (root, "
         "not gVisor), model: plait's collectives take an alpha-beta model's time on "
         "loopback; auto: tc where it works, else model",
     )
+
+    def __post_init__(self) -> None:
+        int_at_least("--nodes", self.nodes, 1, MAX_NODES)
+        int_at_least("--nproc-per-node", self.nproc_per_node, 1)
+        int_at_least("--threads", self.threads, 1)
+        check_number("--timeout", self.timeout, low=0, low_open=True)
+        bandwidth = _bandwidths(self.bandwidth, multi=self.MULTI_BANDWIDTH)
+        object.__setattr__(self, "bandwidth", bandwidth)
+        if self.latency is not None:
+            try:
+                parse_duration(self.latency)
+            except ValueError as exc:
+                raise ValueError(f"--latency: {exc}") from None
+            object.__setattr__(self, "latency", self.latency.strip().lower())
+        check_number("--loss", self.loss, low=0, high=100, high_open=True)
+        if self.link == "model" and self.loss:
+            raise ValueError(
+                f"--loss {self.loss} with --link model: a modelled link loses no packets"
+            )
+
+    @property
+    def world(self) -> int:
+        """Ranks in the cluster: nodes times processes per node."""
+        return self.nodes * self.nproc_per_node
+
+    def bandwidths(self) -> list[str | None]:
+        """The rates to run at, one run each (``[None]``: one unshaped run)."""
+        return [b.strip() for b in self.bandwidth.split(",")] if self.bandwidth else [None]
+
+    def network(self, bandwidth: str | None = None) -> NetworkSpec:
+        """The network at `bandwidth` (default: ``bandwidth``) with this latency and loss."""
+        return NetworkSpec(
+            bandwidth=bandwidth if bandwidth is not None else self.bandwidth,
+            latency=self.latency,
+            loss=self.loss,
+        )
+
+    def placement(self) -> Any:
+        """Where rank 0 computes on this host and the ranks' backend
+        (`plait.distributed.gpu_placement`); ValueError for ``cuda`` without a GPU."""
+        return _placement(self.device, self.world)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiRateClusterConfig(ClusterConfig):
+    """`ClusterConfig` whose ``--bandwidth`` may list rates, the command running at each
+    (``plait bench``, ``plait crossover run``)."""
+
+    MULTI_BANDWIDTH: ClassVar[bool] = True
+
+    bandwidth: str | None = option(None, _bandwidth_help(multi=True))
+
+
+def add_cluster_args(p: argparse.ArgumentParser, *, multi_bandwidth: bool = False) -> None:
+    """The emulated cluster's flags in their own group (a command without a config)."""
+    config = MultiRateClusterConfig if multi_bandwidth else ClusterConfig
+    add_options(p.add_argument_group(CLUSTER_GROUP), config)
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -396,22 +472,12 @@ def _bandwidths(text: str | None, *, multi: bool) -> str | None:
 
 
 def check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = False) -> None:
-    """The emulated cluster's flags; normalises --bandwidth and --latency for tc."""
-    int_at_least("--nodes", args.nodes, 1, MAX_NODES)
-    int_at_least("--nproc-per-node", args.nproc_per_node, 1)
-    int_at_least("--threads", args.threads, 1)
-    check_number("--timeout", args.timeout, low=0, low_open=True)
-    args.bandwidth = _bandwidths(args.bandwidth, multi=multi_bandwidth)
-    if args.latency is not None:
-        try:
-            parse_duration(args.latency)
-        except ValueError as exc:
-            raise ValueError(f"--latency: {exc}") from None
-        args.latency = args.latency.strip().lower()
-    check_number("--loss", args.loss, low=0, high=100, high_open=True)
-    if args.link == "model" and args.loss:
-        raise ValueError(f"--loss {args.loss} with --link model: a modelled link loses no packets")
-    args.placement = _placement(args.device, args.nodes * args.nproc_per_node)
+    """The emulated cluster's flags (`ClusterConfig`); normalises --bandwidth and --latency
+    for tc and records where the ranks compute (``args.placement``)."""
+    config = MultiRateClusterConfig if multi_bandwidth else ClusterConfig
+    cluster = config(**values_of(args, config))
+    args.bandwidth, args.latency = cluster.bandwidth, cluster.latency
+    args.placement = cluster.placement()
 
 
 def _placement(device: str, ranks: int) -> Any:

@@ -4,26 +4,146 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.bench.protocol import DEFAULT_SEEDS, METRICS
 from plait.cli.common import (
-    add_cluster_args,
+    CLUSTER_GROUP,
+    ClusterConfig,
     check_backend,
-    check_cluster_args,
     check_number,
     int_at_least,
     ints_arg,
     workload_list,
     writable_dir,
 )
+from plait.flags import add_options, build, nested, option
 from plait.specs import split_specs
+from plait.train.config import OPTIMIZERS
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaceConfig:
+    """What `plait race` races, or which finished race it reports: the schema of its
+    flags (`plait.flags`).
+
+    The constructor checks what the values alone decide (ValueError naming the flag);
+    `validate` checks the rest (the entries, the workload, the folders). With `report`
+    nothing trains, so the training flags go unchecked, as they go unused.
+
+    Attributes:
+        workload: the workload raced (one, with a held-out split).
+        strategies: the entries, ``SPEC[+OPTIMIZER][@LR]``, comma-separated.
+        target: the held-out value to reach (required unless `report`).
+        metric: ``accuracy`` (reach at least `target`) or ``loss`` (at most).
+        seeds: one run per entry per seed.
+        max_steps: step budget per run.
+        eval_every: steps between held-out evaluations.
+        chunk: steps an entry trains before the next entry's turn.
+        batch_size: per-worker batch size (default: the workload's).
+        optimizer: optimizer of entries without ``+OPTIMIZER`` (default: the workload's).
+        lr: learning rates of entries without ``@LR``: ``LR`` or ``LABEL=LR`` each.
+        full_budget: train on to the budget after the target.
+        out: output directory, None for none.
+        progress: draw a progress bar.
+        compare: ratios of entries' times to report, ``A/B;C/D``.
+        report: train nothing: re-read this finished race and rewrite its report.
+        merge: finished races pooled into `report`'s.
+        cluster: the emulated cluster the race runs on.
+    """
+
+    workload: str = option(
+        "mlp",
+        "a workload with a held-out split (mlp, digits-cnn, resnet18, gpt, ...) "
+        "or a factory pkg.module:factory",
+    )
+    strategies: str = option(
+        "ssgd+sgd,ssgd+adamw",
+        "entries SPEC[+OPTIMIZER][@LR], comma-separated (; between entries "
+        "whose options hold commas), e.g. 'ssgd+sgd@0.1,acpsgd:rank=4+sgd@0.1,"
+        "ssgd+muon@0.01,spd-kfac+sgd@0.05'",
+    )
+    target: float | None = option(
+        None,
+        "held-out value to reach: accuracy 0.95, or a loss with --metric loss "
+        "(required, except with --report)",
+    )
+    metric: str = option(
+        "accuracy",
+        "accuracy (reach at least --target) or loss (at most --target)",
+        choices=tuple(METRICS),
+    )
+    seeds: tuple[int, ...] = option(
+        DEFAULT_SEEDS,
+        "one run per entry per seed, medians over them and bootstrap intervals on "
+        "every ratio (default: five seeds, the fewest that make a verdict)",
+        parse=ints_arg,
+    )
+    max_steps: int = option(500, "step budget per run")
+    eval_every: int = option(10, "steps between held-out evaluations (excluded from the time)")
+    chunk: int = option(10, "steps an entry trains before the next entry's turn")
+    batch_size: int | None = option(None, "per-worker batch size")
+    optimizer: str | None = option(
+        None,
+        "optimizer of entries without +OPTIMIZER (default: the workload's); "
+        "muon: torch.optim.Muon for the matrices, AdamW for the rest; "
+        "muon-fp32: the same in float32 (CPUs without bf16)",
+        choices=OPTIMIZERS,
+    )
+    lr: tuple[str, ...] = option(
+        (),
+        "learning rate of entries without @LR: a number for all, or "
+        "SPEC[+OPTIMIZER]=LR for one (repeatable); default: the workload's",
+        metavar="LR|LABEL=LR",
+    )
+    full_budget: bool = option(
+        False,
+        "train on to the budget after the target (final metrics at equal "
+        "steps); by default a run stops at its target",
+    )
+    out: str | None = option(None, "output directory (results.json/.md/.png)")
+    progress: bool = option(True, "no progress bar")
+    compare: str = option(
+        "",
+        "also report these ratios of entries' median times to target, each with its "
+        "bootstrap interval and verdict (labels as the table names them)",
+        metavar="A/B;C/D",
+    )
+    report: str | None = option(
+        None,
+        "train nothing: re-read DIR/results.json, add the intervals and verdicts (and "
+        "--compare's ratios) and rewrite DIR/results.md",
+        metavar="DIR",
+    )
+    merge: tuple[str, ...] = option(
+        (),
+        "with --report: pool DIR's runs (the same entries and settings, other seeds) "
+        "into --report's race, and rewrite it (repeatable)",
+        metavar="DIR",
+    )
+    cluster: ClusterConfig = nested(ClusterConfig, group=CLUSTER_GROUP)
+
+    def __post_init__(self) -> None:
+        if self.report:
+            return
+        if self.merge:
+            raise ValueError("--merge pools finished races: it needs --report DIR")
+        if self.target is None:
+            raise ValueError(
+                "--target is required (a held-out accuracy, or a loss with --metric loss)"
+            )
+        for flag in ("max_steps", "eval_every", "chunk", "batch_size"):
+            int_at_least(f"--{flag.replace('_', '-')}", getattr(self, flag), 1)
+        check_number("--target", self.target, low=-math.inf)
+        if self.metric == "accuracy":
+            check_number("--target", self.target, low=0, high=1, low_open=True)
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds {','.join(map(str, self.seeds))}: a seed given twice")
 
 
 def add_parser(sub: Any) -> None:
-    from plait.bench.protocol import DEFAULT_SEEDS, METRICS
-    from plait.train.config import OPTIMIZERS
-
     ra = sub.add_parser(
         "race",
         help="time to a held-out target: strategies and optimizers raced on one cluster",
@@ -33,110 +153,19 @@ def add_parser(sub: Any) -> None:
         "steps to the target, the final metric and the bytes sent, median over seeds "
         "[min-max]; write results.json, results.md and results.png to --out.",
     )
-    ra.add_argument(
-        "--workload",
-        default="mlp",
-        help="a workload with a held-out split (mlp, digits-cnn, resnet18, gpt, ...) "
-        "or a factory pkg.module:factory",
-    )
-    ra.add_argument(
-        "--strategies",
-        default="ssgd+sgd,ssgd+adamw",
-        help="entries SPEC[+OPTIMIZER][@LR], comma-separated (; between entries "
-        "whose options hold commas), e.g. 'ssgd+sgd@0.1,acpsgd:rank=4+sgd@0.1,"
-        "ssgd+muon@0.01,spd-kfac+sgd@0.05'",
-    )
-    ra.add_argument(
-        "--target",
-        type=float,
-        default=None,
-        help="held-out value to reach: accuracy 0.95, or a loss with --metric loss "
-        "(required, except with --report)",
-    )
-    ra.add_argument(
-        "--metric",
-        default="accuracy",
-        choices=list(METRICS),
-        help="accuracy (reach at least --target) or loss (at most --target)",
-    )
-    ra.add_argument(
-        "--seeds",
-        type=ints_arg,
-        default=DEFAULT_SEEDS,
-        help="one run per entry per seed, medians over them and bootstrap intervals on "
-        "every ratio (default: five seeds, the fewest that make a verdict)",
-    )
-    ra.add_argument("--max-steps", type=int, default=500, help="step budget per run")
-    ra.add_argument(
-        "--eval-every",
-        type=int,
-        default=10,
-        help="steps between held-out evaluations (excluded from the time)",
-    )
-    ra.add_argument(
-        "--chunk", type=int, default=10, help="steps an entry trains before the next entry's turn"
-    )
-    ra.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
-    ra.add_argument(
-        "--optimizer",
-        default=None,
-        choices=list(OPTIMIZERS),
-        help="optimizer of entries without +OPTIMIZER (default: the workload's); "
-        "muon: torch.optim.Muon for the matrices, AdamW for the rest; "
-        "muon-fp32: the same in float32 (CPUs without bf16)",
-    )
-    ra.add_argument(
-        "--lr",
-        action="append",
-        default=[],
-        metavar="LR|LABEL=LR",
-        help="learning rate of entries without @LR: a number for all, or "
-        "SPEC[+OPTIMIZER]=LR for one (repeatable); default: the workload's",
-    )
-    ra.add_argument(
-        "--full-budget",
-        action="store_true",
-        help="train on to the budget after the target (final metrics at equal "
-        "steps); by default a run stops at its target",
-    )
-    ra.add_argument("--out", default=None, help="output directory (results.json/.md/.png)")
-    ra.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ra.add_argument(
-        "--compare",
-        default="",
-        metavar="A/B;C/D",
-        help="also report these ratios of entries' median times to target, each with its "
-        "bootstrap interval and verdict (labels as the table names them)",
-    )
-    ra.add_argument(
-        "--report",
-        default=None,
-        metavar="DIR",
-        help="train nothing: re-read DIR/results.json, add the intervals and verdicts (and "
-        "--compare's ratios) and rewrite DIR/results.md",
-    )
-    ra.add_argument(
-        "--merge",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="with --report: pool DIR's runs (the same entries and settings, other seeds) "
-        "into --report's race, and rewrite it (repeatable)",
-    )
-    add_cluster_args(ra)
-    ra.set_defaults(nodes=4)
+    add_options(ra, RaceConfig)
 
 
-def _race_spec(args: argparse.Namespace) -> Any:
+def _race_spec(cfg: RaceConfig) -> Any:
     """The `plait.bench.race.RaceSpec` the flags describe (entries, optimizers and rates
     parsed, every strategy spec checked by `TrainConfig`)."""
     from plait.bench.race import RaceSpec, parse_entry, parse_lr_map
 
-    default_lr, lrs = parse_lr_map(args.lr)
-    texts = split_specs(args.strategies)
+    default_lr, lrs = parse_lr_map(cfg.lr)
+    texts = split_specs(cfg.strategies)
     if not texts:
         raise ValueError("--strategies: no entry given; e.g. ssgd+sgd@0.1,ssgd+adamw@1e-3")
-    entries = [parse_entry(t, optimizer=args.optimizer, lrs=lrs, lr=default_lr) for t in texts]
+    entries = [parse_entry(t, optimizer=cfg.optimizer, lrs=lrs, lr=default_lr) for t in texts]
     labels = {e.label for e in entries} | {e.spec for e in entries}
     unknown = sorted(set(lrs) - labels)
     if unknown:
@@ -144,58 +173,49 @@ def _race_spec(args: argparse.Namespace) -> Any:
             f"--lr {unknown[0]}=...: no such entry; entries are "
             + ", ".join(e.label for e in entries)
         )
+    assert cfg.target is not None  # the constructor requires one, --report aside
     return RaceSpec(
-        workload=args.workload,
+        workload=cfg.workload,
         entries=entries,
-        target=args.target,
-        metric=args.metric,
-        seeds=list(args.seeds),
-        max_steps=args.max_steps,
-        eval_every=args.eval_every,
-        chunk=args.chunk,
-        batch_size=args.batch_size,
-        full_budget=args.full_budget,
-        bandwidth=args.bandwidth or "",
+        target=cfg.target,
+        metric=cfg.metric,
+        seeds=list(cfg.seeds),
+        max_steps=cfg.max_steps,
+        eval_every=cfg.eval_every,
+        chunk=cfg.chunk,
+        batch_size=cfg.batch_size,
+        full_budget=cfg.full_budget,
+        bandwidth=cfg.cluster.bandwidth or "",
     )
 
 
 def validate(args: argparse.Namespace) -> None:
     from plait.bench.race import compare, merge, parse_pairs, read_results
 
-    pairs = parse_pairs(args.compare)
-    if args.report:
-        results = Path(args.report) / "results.json"
+    cfg = build(args, RaceConfig)
+    pairs = parse_pairs(cfg.compare)
+    if cfg.report:
+        results = Path(cfg.report) / "results.json"
         if not results.is_file():
-            raise ValueError(f"--report {args.report!r}: no results.json there")
+            raise ValueError(f"--report {cfg.report!r}: no results.json there")
         old = read_results(results)
         parts = [old]
-        for d in args.merge:
+        for d in cfg.merge:
             other = Path(d) / "results.json"
             if not other.is_file():
                 raise ValueError(f"--merge {d!r}: no results.json there")
             parts.append(read_results(other))
-        if args.merge:
+        if cfg.merge:
             old = merge(parts)  # other entries or settings, or a seed twice, fail here
         for a, b in pairs:
             compare(old, a, b)  # unknown labels fail here, in one line
         return
-    if args.merge:
-        raise ValueError("--merge pools finished races: it needs --report DIR")
-    if args.target is None:
-        raise ValueError("--target is required (a held-out accuracy, or a loss with --metric loss)")
-    check_cluster_args(args)
-    for flag in ("max_steps", "eval_every", "chunk", "batch_size"):
-        int_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
-    check_number("--target", args.target, low=-math.inf)
-    if args.metric == "accuracy":
-        check_number("--target", args.target, low=0, high=1, low_open=True)
-    if len(set(args.seeds)) != len(args.seeds):
-        raise ValueError(f"--seeds {','.join(map(str, args.seeds))}: a seed given twice")
-    writable_dir("--out", args.out)
-    workload_list(args.workload)
-    if "," in args.workload:
-        raise ValueError(f"--workload {args.workload!r}: a race takes one workload")
-    spec = _race_spec(args)
+    args.placement = cfg.cluster.placement()  # the entries' backend, checked below
+    writable_dir("--out", cfg.out)
+    workload_list(cfg.workload)
+    if "," in cfg.workload:
+        raise ValueError(f"--workload {cfg.workload!r}: a race takes one workload")
+    spec = _race_spec(cfg)
     labels = {e.label for e in spec.entries}
     for pair in pairs:
         unknown = [x for x in pair if x not in labels]
@@ -216,12 +236,17 @@ def validate(args: argparse.Namespace) -> None:
             check_backend(strategy, args)
             if type(strategy).check is not Strategy.check:
                 model = model or wl.model(wl.real().info)
-                strategy.check(model, world=args.nodes * args.nproc_per_node)
+                strategy.check(model, world=cfg.cluster.world)
         finally:
             strategy.close()
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_config(build(args, RaceConfig))
+
+
+def run_config(cfg: RaceConfig) -> int:
+    """Run the race `cfg` describes, or rewrite the report of the finished one it names."""
     from plait.bench.race import (
         annotate,
         markdown,
@@ -232,34 +257,35 @@ def run(args: argparse.Namespace) -> int:
         write_reports,
     )
 
-    pairs = parse_pairs(args.compare)
-    if args.report:
-        folder = Path(args.report)
+    pairs = parse_pairs(cfg.compare)
+    if cfg.report:
+        folder = Path(cfg.report)
         old = annotate(read_results(folder / "results.json"))
-        if args.merge:
-            old = merge([old, *(read_results(Path(d) / "results.json") for d in args.merge)])
+        if cfg.merge:
+            old = merge([old, *(read_results(Path(d) / "results.json") for d in cfg.merge)])
         write_reports(old, folder, pairs)
         print(markdown(old, pairs), end="")
         print(f"rewrote {folder / 'results.md'} and {folder / 'results.png'}")
         return 0
-    spec = _race_spec(args)
-    out = Path(args.out) if args.out else None
+    spec = _race_spec(cfg)
+    cluster = cfg.cluster
+    out = Path(cfg.out) if cfg.out else None
     print(
-        f"plait race: {spec.workload} on {args.nodes} node(s) x {args.nproc_per_node}, "
-        f"{args.bandwidth or 'unshaped'}: {', '.join(e.label for e in spec.entries)}; "
+        f"plait race: {spec.workload} on {cluster.nodes} node(s) x {cluster.nproc_per_node}, "
+        f"{cluster.bandwidth or 'unshaped'}: {', '.join(e.label for e in spec.entries)}; "
         f"seeds {', '.join(map(str, spec.seeds))}",
         flush=True,
     )
     results = run_race(
         spec,
-        nodes=args.nodes,
-        nproc_per_node=args.nproc_per_node,
-        latency=args.latency,
-        loss=args.loss,
-        threads=args.threads,
+        nodes=cluster.nodes,
+        nproc_per_node=cluster.nproc_per_node,
+        latency=cluster.latency,
+        loss=cluster.loss,
+        threads=cluster.threads,
         out=out,
-        timeout_s=args.timeout or 6 * 3600,
-        progress=not args.no_progress,
+        timeout_s=cluster.timeout or 6 * 3600,
+        progress=cfg.progress,
         compare_pairs=pairs,
     )
     print(markdown(results, pairs), end="")
