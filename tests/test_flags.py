@@ -280,6 +280,13 @@ def test_the_cluster_flags_are_one_shared_config() -> None:
         (["sweep"], "sweep:SweepCommandConfig", {}),
         (["bench"], "bench:BenchCommandConfig", {}),
         (["bench-fused"], "bench_fused:BenchFusedCommandConfig", {}),
+        (["demo"], "demo:DemoConfig", {}),
+        (["cluster", "up"], "cluster:ClusterCommandConfig", {"action": "up"}),
+        (
+            ["run", "--", "x.py", "--lr", "1"],
+            "run_script:RunConfig",
+            {"script": ("x.py", "--lr", "1")},
+        ),
     ],
 )
 def test_commands_take_their_flags_from_their_configs(
@@ -296,3 +303,24 @@ def test_commands_take_their_flags_from_their_configs(
     args = build_parser().parse_args(argv)
     assert set(values_of(args, cls)) == {f.name for f in fields(cls)}
     assert build(args, cls) == cls(**required)
+
+
+def test_a_short_alias_comes_first_and_a_positional_takes_the_remainder() -> None:
+    @dataclass(frozen=True, kw_only=True)
+    class Launch:
+        module: bool = option(False, "run as a module", aliases=("-m",))
+        command: tuple[str, ...] = option(MISSING, "the rest", positional=True, nargs="...")
+
+    p = argparse.ArgumentParser()
+    add_options(p, Launch)
+    flags = next(a for a in p._actions if a.dest == "module").option_strings
+    assert flags == ["-m", "--module"]  # as argparse's help lists a short flag and its long
+    cfg = build(p.parse_args(["-m", "pkg.train", "--lr", "0.1", "-m"]), Launch)
+    assert cfg == Launch(module=True, command=("pkg.train", "--lr", "0.1", "-m"))
+
+    @dataclass(frozen=True, kw_only=True)
+    class Bad:
+        rest: tuple[str, ...] = option((), "not positional", nargs="...")
+
+    with pytest.raises(TypeError, match="remainder"):
+        add_options(argparse.ArgumentParser(), Bad)

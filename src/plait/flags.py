@@ -58,7 +58,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     exclusive: str | None = None
     positional: bool = False
-    nargs: Literal["+"] | None = None
+    nargs: Literal["+", "..."] | None = None
     hidden: bool = False
     aliases: tuple[str, ...] = ()
     parse: Callable[[str], Any] | None = None
@@ -80,7 +80,7 @@ def option(
     choices: Sequence[str] | None = None,
     exclusive: str | None = None,
     positional: bool = False,
-    nargs: Literal["+"] | None = None,
+    nargs: Literal["+", "..."] | None = None,
     hidden: bool = False,
     aliases: Sequence[str] = (),
     parse: Callable[[str], Any] | None = None,
@@ -95,9 +95,12 @@ def option(
         choices: allowed values, where the field's type is a plain ``str``.
         exclusive: fields naming the same group are mutually exclusive flags.
         positional: an argument without a flag, named by `metavar` (required: no default).
-        nargs: ``"+"``: a ``tuple[X, ...]`` field's values follow one flag, not one each.
+        nargs: ``"+"``: a ``tuple[X, ...]`` field's values follow one flag, not one each;
+            ``"..."``: a positional ``tuple[str, ...]`` takes every argument left, flags
+            included (a command line to run: ``plait run -- train.py --lr 0.1``).
         hidden: left out of ``--help``: a flag for the program's own use, not a user's.
-        aliases: further spellings of the flag (``("--task",)``, an earlier name kept).
+        aliases: further spellings of the flag (``("--task",)``, an earlier name kept); a
+            short one (``"-m"``) comes first, as argparse's help lists them.
         parse: reads the flag's text into the field's value where the type cannot
             (``--seeds 0,1,2`` into a tuple); it raises ``argparse.ArgumentTypeError``
             (or ValueError) for text it refuses. The flag then takes one value.
@@ -198,15 +201,12 @@ def _add_option(
         kind, choices = meta.parse, None
     else:
         kind, choices = _scalar(hint if item is None else item)
+    short = [a for a in meta.aliases if not a.startswith("--")]
+    long = [a for a in meta.aliases if a.startswith("--")]
     if kind is bool:
-        if default:
-            target.add_argument(
-                f"--no-{name}", *meta.aliases, dest=f.name, action="store_false", help=text
-            )
-        else:
-            target.add_argument(
-                f"--{name}", *meta.aliases, dest=f.name, action="store_true", help=text
-            )
+        flag = f"--no-{name}" if default else f"--{name}"
+        action = "store_false" if default else "store_true"
+        target.add_argument(*short, flag, *long, dest=f.name, action=action, help=text)
         return
     kw: dict[str, Any] = {"help": text}
     if default is MISSING:
@@ -226,14 +226,18 @@ def _add_option(
     if meta.metavar is not None:
         kw["metavar"] = meta.metavar
     if item is not None:
-        if meta.nargs or meta.positional:
+        if meta.nargs == "...":
+            if not meta.positional:
+                raise TypeError(f"{f.name}: only a positional argument takes the remainder")
+            kw["nargs"] = argparse.REMAINDER
+        elif meta.nargs or meta.positional:
             kw["nargs"] = "+"
         else:
             kw["action"] = "append"
     if meta.positional:
         target.add_argument(f.name, **kw)
     else:
-        target.add_argument(f"--{name}", *meta.aliases, dest=f.name, **kw)
+        target.add_argument(*short, f"--{name}", *long, dest=f.name, **kw)
 
 
 def values_of(args: argparse.Namespace, config: type) -> dict[str, Any]:
