@@ -212,6 +212,34 @@ def test_config_file_under_the_command_line(tmp_path: Path) -> None:
     assert (args.batch_size, args.epochs, args.nodes) == (8, 2, DEFAULT_NODES)
 
 
+def test_a_command_builds_its_parser_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parsing, the run config's merge and the flags given on the command line all read
+    one parser (each build imports every command's options), and the config's merge
+    leaves that parser's defaults as they were."""
+    import plait.cli as cli
+
+    builds = []
+    real = cli.build_parser
+
+    def counted() -> argparse.ArgumentParser:
+        builds.append(1)
+        return real()
+
+    monkeypatch.setattr(cli, "build_parser", counted)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('workload = "mlp"\nbatch_size = 16\n')
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--config", str(cfg), "--steps", "5", "--nodes", "0"])
+    assert exc.value.code == 2 and "--nodes 0" in capsys.readouterr().err
+    assert len(builds) == 1
+    parser = real()
+    args = parse_command_line(["train", "--config", str(cfg), "--steps", "5"], parser)
+    assert (args.batch_size, args.steps, args.epochs) == (16, 5, None)
+    assert parser.parse_args(["train"]).steps is None  # the suppressed defaults came back
+
+
 def test_a_negated_switch_is_configured_by_its_own_name(tmp_path: Path) -> None:
     """``no-progress = true`` turns the bar off; ``progress``, the flag's destination, is
     not a key: it would read the other way round."""

@@ -87,21 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse `argv` and merge the ``--config`` run config under it.
+def parse_command_line(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """Parse `argv` with `parser` (default: a new `build_parser()`) and merge the
+    ``--config`` run config under it.
 
     The config's values become the subcommand's defaults, so a flag given on the command
     line wins; it also wins over the config's value of a flag it excludes (``--epochs``
     over a config's ``steps``). Raises ValueError for a bad config (exit 2 in `main`).
+    One parser serves every pass (building one imports every command's options).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser() if parser is None else parser
+    args = parser.parse_args(argv)
     if getattr(args, "config", None) is None:
         return args
-    parser = build_parser()
     sub = subcommand(parser, args.command)
     values = load_run_config(args.config, sub)
-    given = _given_on_command_line(argv, args.command)
+    given = _given_on_command_line(parser, sub, argv)
     for group in sub._mutually_exclusive_groups:
         dests = {a.dest for a in group._group_actions}
         if dests & given:
@@ -111,12 +115,19 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _given_on_command_line(argv: list[str], command: str) -> set[str]:
-    """The destinations of the subcommand flags `argv` sets itself."""
-    parser = build_parser()
-    for action in subcommand(parser, command)._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
+def _given_on_command_line(
+    parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, argv: list[str]
+) -> set[str]:
+    """The destinations of the subcommand `sub`'s flags that `argv` sets itself: a parse
+    with their defaults suppressed, which are put back after."""
+    saved = [(action, action.default) for action in sub._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for action, default in saved:
+            action.default = default
 
 
 VALIDATORS: dict[str, Callable[[argparse.Namespace], None]] = {
@@ -189,16 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(2) from None
     if suite is not None:
         return _run_suite(*suite)
+    parser = build_parser()
     try:
         # a Ctrl-C while torch imports (parsing, checking) stops the command once they end
         with interrupts_held():
-            args = build_parser().parse_args(argv)
+            args = parser.parse_args(argv)
     except KeyboardInterrupt:
         print("\nplait: interrupted", file=sys.stderr)
         return 130
     try:
         with interrupts_held():
-            args = parse_command_line(argv)
+            args = parse_command_line(argv, parser)
             configure(level_from(args.verbose, args.quiet))
             check_numbers(args)
             VALIDATORS[args.command](args)
