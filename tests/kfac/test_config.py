@@ -70,7 +70,7 @@ def test_the_mode_sets_the_decomposition_and_the_default_intervals() -> None:
     assert ekfac.decomposition is soap.decomposition is Method.EIGEN
     assert KFACConfig(method="eigen").decomposition is Method.EIGEN
     assert (kfac.factor_every, kfac.inv_every) == DEFAULT_INTERVALS[Mode.KFAC] == (1, 1)
-    assert (soap.factor_every, soap.inv_every) == DEFAULT_INTERVALS[Mode.SOAP]
+    assert (soap.factor_every, soap.inv_every) == DEFAULT_INTERVALS[Mode.SOAP] == (5, 10)
     assert KFACConfig(mode="soap", inv_interval=3).inv_every == 3
     # an unset field stays unset, so a preset's copy may change the mode
     from dataclasses import replace
