@@ -175,6 +175,29 @@ tune-second-order-gpt-4() {
         --strategies "ssgd+muon-fp32@0.01;$SOAP+sgd-plain@0.001;$SOAP,inv_interval=5+sgd-plain@0.001;$SOAP,beta2=0.99+sgd-plain@0.001;$SOAP,inv_interval=3+sgd-plain@0.001"
 }
 
+# How often the SOAP mode updates its factors (its basis refreshed every 10 steps). On the
+# tuning seeds (tune-soap-intervals-digits-cnn): every step 1.29x AdamW's time, every 2nd
+# 1.33x, every 5th 0.91x, every 5th with the basis every 20th 0.99x. Then five race seeds
+# (soap-intervals-digits-cnn-fast) and the GPT's tuning seed (tune-soap-intervals-gpt).
+# Result: every 5th step became the mode's default (plait.kfac.config.DEFAULT_INTERVALS).
+tune-soap-intervals-digits-cnn() {
+    race tune-soap-intervals-digits-cnn --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth fast --max-steps 600 --eval-every 5 --seeds 10,11,12 \
+        --strategies "ssgd+adamw@0.01;$SOAP+sgd-plain@0.01;$SOAP,factor_interval=2+sgd-plain@0.01;$SOAP,factor_interval=5+sgd-plain@0.01;$SOAP,factor_interval=5,inv_interval=20+sgd-plain@0.01"
+}
+
+soap-intervals-digits-cnn-fast() {
+    race soap-intervals-digits-cnn-fast --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth fast --max-steps 600 --eval-every 5 --seeds 0,1,2,3,4 \
+        --strategies "ssgd+adamw@0.01;$SOAP,factor_interval=1+sgd-plain@0.01;$SOAP,factor_interval=5+sgd-plain@0.01"
+}
+
+tune-soap-intervals-gpt() {
+    race tune-soap-intervals-gpt --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth fast --seeds 10 --max-steps 60 --eval-every 5 \
+        --strategies "ssgd+adamw@0.001;$SOAP,factor_interval=1+sgd-plain@0.001;$SOAP,factor_interval=5+sgd-plain@0.001"
+}
+
 # The SOAP mode against Muon alone (float32 Newton-Schulz), for the slow link where a
 # five-entry race takes about an hour here.
 second-order-gpt-muon() {  # BANDWIDTH SOAP_LR [SEEDS]

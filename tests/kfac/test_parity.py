@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from plait.comm.cost import AlphaBeta
+from plait.kfac.config import DEFAULT_INTERVALS
+from plait.kfac.eigenbasis import Mode
 from plait.kfac.intervals import IntervalController, Intervals, StepPlan
 from plait.kfac.placement import Distribution, PlacementPolicy, PlacementProvider, plan_placement
 from plait.testing import run_distributed
@@ -149,8 +151,10 @@ def reference(
     eig: EigenConfig | None = None,
 ) -> list[list[torch.Tensor]]:  # fmt: skip
     model = _model(kind)
+    # the factor interval is the mode's default, as the specs leave it unset
+    every = DEFAULT_INTERVALS[Mode(eig.mode)][0] if eig is not None else 1
     cfg = RefConfig(damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=LR, inv_interval=2,
-                    method=method, approximation=approximation)  # fmt: skip
+                    factor_interval=every, method=method, approximation=approximation)  # fmt: skip
     kfac = ReferenceKFAC(model, cfg) if eig is None else ReferenceEigenbasis(model, cfg, eig)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     xs, ys = _data(kind)
