@@ -111,6 +111,8 @@ compressors-gpt-5seeds() {  # BANDWIDTH
 # beside Muon at its rate for reference; AdamW, Muon and K-FAC keep the rates tune-gpt-*
 # chose.
 EKFAC="spd-kfac:mode=ekfac,approximation=reduce,kl_clip=0.01,damping=0.01"
+# The SOAP mode updates its factors every 5th step by default since 3f3b4e4; every race of
+# it committed before then ran at every step: append ,factor_interval=1 to reproduce one.
 SOAP="spd-kfac:mode=soap,approximation=reduce"
 
 tune-second-order-gpt() {
