@@ -48,8 +48,12 @@ class StepEstimate:
 class _Wire:
     """One worker's outgoing link: transfers in issue order, one at a time.
 
-    `host_s_per_byte` is the host CPU a byte on the wire costs where the collectives run on
-    the cores that compute (gloo on the emulated cluster); `host_s` sums it.
+    `host_s_per_byte` is the host CPU a float32 byte on the wire costs where the collectives
+    run on the cores that compute (gloo on the emulated cluster); `host_s` sums it. gloo
+    sums on the CPU element by element, at about the same time per element in float16 as
+    in float32 (7.6 against 7.2 ns at 4 ranks here; bfloat16 5.5 ns), so a payload of
+    narrower elements costs the host per element, not per byte: priced per byte, ``fp16``
+    was projected 20% fast at 4 nodes and 1 Gbit/s.
     """
 
     def __init__(
@@ -61,11 +65,13 @@ class _Wire:
         self.busy = 0.0
         self.host_s = 0.0
 
-    def send(self, op: Collective, nbytes: float, at: float) -> float:
+    def send(self, op: Collective, nbytes: float, at: float, *, itemsize: int = 4) -> float:
+        """Send `nbytes` of elements of `itemsize` bytes from `at`; when the wire is free."""
         cost = self.link.time_as(self.algorithms, op, nbytes, self.world)
         self.free = max(at, self.free) + cost
         self.busy += cost
-        self.host_s += self.host_s_per_byte * wire_bytes_as(self.algorithms, op, nbytes, self.world)
+        sent = wire_bytes_as(self.algorithms, op, nbytes, self.world)
+        self.host_s += self.host_s_per_byte * sent * 4.0 / itemsize
         return self.free
 
 
@@ -188,7 +194,8 @@ def project(
     own_compute = k * (passes + opt_s)
     buckets, wires, comp = grad_buckets(profile, spec)
     dense_total = sum(4.0 * math.prod(g.shape) for g in profile.grads)
-    wire = _Wire(link, algorithms, world, host_s_per_byte * _host_per_byte(comp))
+    wire = _Wire(link, algorithms, world, host_s_per_byte)
+    itemsize = _itemsize(comp)
     shift = 0.0
     sent = 0.0
     for bucket, ws in zip(buckets, wires, strict=True):
@@ -203,7 +210,7 @@ def project(
         host = wire.host_s
         for op, nbytes in _collectives_of(comp, bucket, ws):
             if world > 1:
-                issue = wire.send(op, nbytes, issue)
+                issue = wire.send(op, nbytes, issue, itemsize=itemsize)
             sent += nbytes
         shift += wire.host_s - host  # the collective's host work delays the compute
     backward_end = f + b + shift
@@ -220,16 +227,9 @@ def project(
     )
 
 
-def _host_per_byte(comp: Any) -> float:
-    """The host's work per byte of a compressor's payload against float32's.
-
-    gloo sums on the CPU element by element, at about the same time per element in
-    float16 as in float32 (7.6 against 7.2 ns at 4 ranks here; bfloat16 5.5 ns): half the
-    bytes cost the host about as much as the float32 all-reduce. Priced per byte, ``fp16``
-    was projected 20% fast at 4 nodes and 1 Gbit/s.
-    """
-    dtype = getattr(comp, "wire_dtype", torch.float32)
-    return 4.0 / dtype.itemsize
+def _itemsize(comp: Any) -> int:
+    """Bytes per element of a compressor's payload (a cast's wire type; float32 else)."""
+    return int(getattr(comp, "wire_dtype", torch.float32).itemsize)
 
 
 def kfac_layers(profile: Profile) -> Any:
@@ -385,6 +385,7 @@ def _project_kfac(
             for bk, ws in zip(buckets, wires, strict=True)
             for _, nbytes in _collectives_of(comp, bk, ws)
         ]
+        grad_itemsize = _itemsize(comp)  # the factors' are float32 (`fbytes`)
         comp.close()
         items = []
         for n in names:
@@ -417,9 +418,10 @@ def _project_kfac(
         # there it hides in the wire's time. Adding it there too priced the GPT's K-FAC
         # steps 18-26% too slow at 1 and 5 Gbit/s (benchmarks/projection/check-kfac).
         during = 0.0
-        for at, _, nbytes, keys in sorted(queue, key=lambda q: (q[0], q[1])):
+        for at, kind, nbytes, keys in sorted(queue, key=lambda q: (q[0], q[1])):
             host = wire.host_s
-            end = wire.send(Collective.ALL_REDUCE, nbytes, at) if world > 1 else at
+            size = grad_itemsize if kind == 0 else 4
+            end = wire.send(Collective.ALL_REDUCE, nbytes, at, itemsize=size) if world > 1 else at
             if at < f + b:
                 during += wire.host_s - host
             sent += nbytes
