@@ -100,7 +100,14 @@ def parse_command_line(
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser() if parser is None else parser
-    args = parser.parse_args(argv)
+    return _with_run_config(parser, parser.parse_args(argv), argv)
+
+
+def _with_run_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
+) -> argparse.Namespace:
+    """`args`, which `parser` parsed from `argv`, with the ``--config`` run config merged
+    under the command line (`args` itself without one)."""
     if getattr(args, "config", None) is None:
         return args
     sub = subcommand(parser, args.command)
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     try:
         with interrupts_held():
-            args = parse_command_line(argv, parser)
+            args = _with_run_config(parser, args, argv)
             configure(level_from(args.verbose, args.quiet))
             check_numbers(args)
             VALIDATORS[args.command](args)

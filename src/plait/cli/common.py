@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, NoReturn
 
 from plait.cluster.network import NAMED_RATES, NetworkSpec, parse_duration, resolve_bandwidth
-from plait.flags import add_options, option, values_of
+from plait.flags import add_options, build, option
 from plait.log import check_tensorboard
 from plait.units import parse_size
 
@@ -282,14 +282,6 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def network_spec(args: argparse.Namespace, bandwidth: str | None = None) -> NetworkSpec:
-    return NetworkSpec(
-        bandwidth=bandwidth if bandwidth is not None else args.bandwidth,
-        latency=args.latency,
-        loss=args.loss,
-    )
-
-
 def trace_path(trace: str | None, bandwidth: str | None) -> Path | None:
     """One trace per network setting when several run: ``t.json`` -> ``t_slow.json``."""
     if trace is None:
@@ -471,11 +463,11 @@ def _bandwidths(text: str | None, *, multi: bool) -> str | None:
     return ",".join(items)
 
 
-def check_cluster_args(args: argparse.Namespace, *, multi_bandwidth: bool = False) -> None:
-    """The emulated cluster's flags (`ClusterConfig`); normalises --bandwidth and --latency
-    for tc and records where the ranks compute (``args.placement``)."""
-    config = MultiRateClusterConfig if multi_bandwidth else ClusterConfig
-    cluster = config(**values_of(args, config))
+def check_cluster_args(args: argparse.Namespace) -> None:
+    """The emulated cluster's flags (`ClusterConfig`) of a command without a config of its
+    own (``plait train``); normalises --bandwidth and --latency for tc and records where
+    the ranks compute (``args.placement``)."""
+    cluster = build(args, ClusterConfig)
     args.bandwidth, args.latency = cluster.bandwidth, cluster.latency
     args.placement = cluster.placement()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from plait._proc import scratch_dir
 from plait.cli.common import (
+    ClusterConfig,
     add_cluster_args,
     add_config_arg,
     check_backend,
@@ -20,10 +21,10 @@ from plait.cli.common import (
     check_tensorboard_dir,
     check_token_dir,
     int_at_least,
-    network_spec,
     writable_dir,
     writable_file,
 )
+from plait.flags import build
 from plait.units import parse_size
 
 
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg_path = scratch_dir("plait-train-") / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
-    with Cluster.create(nodes=args.nodes, network=network_spec(args)) as cluster:
+    network = build(args, ClusterConfig).network()
+    with Cluster.create(nodes=args.nodes, network=network) as cluster:
         print(
             f"plait train: {cfg.workload} / {cfg.strategy_spec()} on {args.nodes} node(s) x "
             f"{args.nproc_per_node} ({cluster.network.describe()})",
