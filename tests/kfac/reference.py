@@ -173,6 +173,7 @@ class EigenConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    rest_lr_scale: float = 1.0  # SOAP: the parameters outside the layers' step, x the rate
 
 
 def _basis(module: nn.Module, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,5 +289,5 @@ class ReferenceEigenbasis(ReferenceKFAC):
                 t, m, v = self.rest_state.get(j, (0, torch.zeros_like(p), torch.zeros_like(p)))
                 m, v, st = self._adam(t + 1, m, v, p.grad)
                 self.rest_state[j] = (t + 1, m, v)
-                p.grad = st.clone()
+                p.grad = st * self.eig.rest_lr_scale
         self.steps += 1

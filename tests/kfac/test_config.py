@@ -49,6 +49,7 @@ def test_names_become_enums_and_dtypes() -> None:
         ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
         ({"grad_workers": 0}, "grad_workers"),
         ({"replan_every": 0}, "replan_every"),
+        ({"rest_lr_scale": 0.0}, "rest_lr_scale must be > 0"),
     ],
 )
 def test_bad_values_name_themselves(kwargs: dict[str, Any], match: str) -> None:

@@ -99,26 +99,28 @@ def _max_error(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) ->
     )
 
 
-CASES = [
-    ("ekfac", "eager", "expand"),
-    ("ekfac", "lazy", "expand"),
-    ("ekfac", "eager", "reduce"),
-    ("soap", "eager", "expand"),
-    ("soap", "lazy", "reduce"),
+CASES = [  # mode, sync, approximation, SOAP's rest_lr_scale
+    ("ekfac", "eager", "expand", 1.0),
+    ("ekfac", "lazy", "expand", 1.0),
+    ("ekfac", "eager", "reduce", 1.0),
+    ("soap", "eager", "expand", 1.0),
+    ("soap", "lazy", "reduce", 1.0),
+    ("soap", "eager", "reduce", 10.0),
 ]
 
 
-@pytest.mark.parametrize(("mode", "sync", "approximation"), CASES)
+@pytest.mark.parametrize(("mode", "sync", "approximation", "rest_scale"), CASES)
 @pytest.mark.parametrize("kind", ["net", "tokens"])
 def test_eigenbasis_modes_match_the_dense_reference(
-    mode: str, sync: str, approximation: str, kind: str
+    mode: str, sync: str, approximation: str, rest_scale: float, kind: str
 ) -> None:
     ref_cfg = RefConfig(damping=0.01, factor_decay=0.9, kl_clip=0.01, lr=LR, inv_interval=2,
                         approximation=approximation)  # fmt: skip
     cfg = KFACConfig(mode=mode, damping=0.01, factor_decay=0.9, kl_clip=0.01, inv_interval=2,
                      factor_interval=1, sync=sync, approximation=approximation,
-                     probe=False)  # fmt: skip
-    want = _run(kind, lambda m: ReferenceEigenbasis(m, ref_cfg, EigenConfig(mode=mode, sync=sync)))
+                     rest_lr_scale=rest_scale, probe=False)  # fmt: skip
+    eig = EigenConfig(mode=mode, sync=sync, rest_lr_scale=rest_scale)
+    want = _run(kind, lambda m: ReferenceEigenbasis(m, ref_cfg, eig))
     got = _run(kind, lambda m: KFAC(m, cfg))
     assert _max_error(got, want) < 1e-5
 

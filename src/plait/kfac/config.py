@@ -121,6 +121,10 @@ class KFACConfig:
         beta1: Adam's first-moment decay (``soap``), in [0, 1).
         beta2: Adam's second-moment decay (``soap``, ``adam`` grafting), in [0, 1).
         eps: Adam's denominator epsilon (> 0).
+        rest_lr_scale: ``soap``: the parameters outside the preconditioned layers (norms,
+            batch-shared embeddings), which get plain Adam, step this many times the
+            learning rate (> 0). Muon's recipe gives those parameters AdamW at the
+            matrices' rate; with SOAP's rate ten times smaller, 10 gives them that step.
     """
 
     mode: Mode = Mode.KFAC
@@ -154,6 +158,7 @@ class KFACConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    rest_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -194,6 +199,7 @@ class KFACConfig:
         if not self.auto_drift > 1:
             raise ValueError(f"auto_drift must be > 1, got {self.auto_drift}")
         check_int("auto_window", self.auto_window)
+        check_float("rest_lr_scale", self.rest_lr_scale, low=0.0, low_open=True)
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.grad_workers is not None and self.grad_workers < 1:

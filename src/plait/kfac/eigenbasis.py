@@ -370,8 +370,9 @@ class SOAPRule(UpdateRule):
 
     names = ("m", "v")
 
-    def __init__(self, *, moments: Moments) -> None:
+    def __init__(self, *, moments: Moments, rest_scale: float = 1.0) -> None:
         super().__init__(Mode.SOAP, moments=moments)
+        self.rest_scale = rest_scale
         self.rest_state: dict[int, dict[str, Any]] = {}
 
     def _direction(
@@ -385,14 +386,26 @@ class SOAPRule(UpdateRule):
         return from_basis(_normalised(m, v, step, self.moments), a, g)
 
     def rest(self, params: Sequence[nn.Parameter], *, update: bool = True) -> None:
+        """Adam on the parameters outside the layers, all of one step count at once.
+
+        A model's norms and biases are many small tensors (the digits CNN's twelve batch
+        norm vectors): per tensor, Adam's dozen operators cost more than their arithmetic,
+        so the tensors that share a step count go through torch's multi-tensor operators.
+        """
+        by_t: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for i, p in enumerate(params):
-            if p.grad is None:
-                continue
-            st = self.rest_state.setdefault(i, {"t": 0, "tensors": {}})
-            step, m, v = _adam(st["tensors"], st["t"], p.grad, self.moments)
+            if p.grad is not None:
+                st = self.rest_state.setdefault(i, {"t": 0, "tensors": {}})
+                by_t.setdefault(int(st["t"]), []).append((i, p.grad))
+        for t, items in by_t.items():
+            states = [self.rest_state[i]["tensors"] for i, _ in items]
+            grads = [g for _, g in items]
+            ms, vs = _adam_many(states, t, grads, self.moments)
             if update:
-                st["t"], st["tensors"]["m"], st["tensors"]["v"] = step, m, v
-            p.grad.copy_(_normalised(m, v, step, self.moments))
+                for (i, _), m, v in zip(items, ms, vs, strict=True):
+                    self.rest_state[i] = {"t": t + 1, "tensors": {"m": m, "v": v}}
+            out = _normalised_many(ms, vs, t + 1, self.moments, scale=self.rest_scale)
+            torch._foreach_copy_(grads, out)
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": super().state_dict(), "rest": self.rest_state}
@@ -408,22 +421,61 @@ def _adam(
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """One step of Adam's moments from `held` (new tensors; `held` is not changed)."""
     m, v = held.get("m"), held.get("v")
-    m = grad * (1.0 - mo.beta1) if m is None else m * mo.beta1 + grad * (1.0 - mo.beta1)
-    sq = grad.square()
-    v = sq * (1.0 - mo.beta2) if v is None else v * mo.beta2 + sq * (1.0 - mo.beta2)
-    return t + 1, m, v
+    if m is None or v is None:
+        return t + 1, grad * (1.0 - mo.beta1), grad.square().mul_(1.0 - mo.beta2)
+    return (
+        t + 1,
+        torch.lerp(m, grad, 1.0 - mo.beta1),
+        torch.addcmul(v * mo.beta2, grad, grad, value=1.0 - mo.beta2),
+    )
 
 
 def _normalised(m: torch.Tensor, v: torch.Tensor, t: int, mo: Moments) -> torch.Tensor:
-    return (m / mo.bias(mo.beta1, t)) / ((v / mo.bias(mo.beta2, t)).sqrt() + mo.eps)
+    """``m_hat / (sqrt(v_hat) + eps)`` in four operators: with ``c1, c2`` the bias
+    corrections, it is ``m / (sqrt(v) + eps sqrt(c2)) * sqrt(c2) / c1``."""
+    c1, root2 = mo.bias(mo.beta1, t), mo.bias(mo.beta2, t) ** 0.5
+    return torch.div(m, v.sqrt().add_(mo.eps * root2)).mul_(root2 / c1)
+
+
+def _adam_many(
+    held: list[dict[str, torch.Tensor]], t: int, grads: list[torch.Tensor], mo: Moments
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`_adam` on tensors of one step count `t` (new tensors; `held` is not changed)."""
+    if t == 0 or any("m" not in h or "v" not in h for h in held):
+        ms = torch._foreach_mul(grads, 1.0 - mo.beta1)
+        vs = torch._foreach_mul(grads, grads)
+        torch._foreach_mul_(vs, 1.0 - mo.beta2)
+        return list(ms), list(vs)
+    ms = torch._foreach_lerp([h["m"] for h in held], grads, 1.0 - mo.beta1)
+    vs = torch._foreach_mul([h["v"] for h in held], mo.beta2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1.0 - mo.beta2)
+    return list(ms), list(vs)
+
+
+def _normalised_many(
+    ms: list[torch.Tensor], vs: list[torch.Tensor], t: int, mo: Moments, *, scale: float = 1.0
+) -> list[torch.Tensor]:
+    """`_normalised` on many tensors of one step count, times `scale`."""
+    c1, root2 = mo.bias(mo.beta1, t), mo.bias(mo.beta2, t) ** 0.5
+    den = torch._foreach_sqrt(vs)
+    torch._foreach_add_(den, mo.eps * root2)
+    out = torch._foreach_div(ms, den)
+    torch._foreach_mul_(out, root2 / c1 * scale)
+    return list(out)
 
 
 def make_rule(
-    mode: Mode, *, graft: Graft, moments: Moments, scale_of: Callable[[str], torch.Tensor]
+    mode: Mode,
+    *,
+    graft: Graft,
+    moments: Moments,
+    scale_of: Callable[[str], torch.Tensor],
+    rest_scale: float = 1.0,
 ) -> UpdateRule:
-    """The rule of `mode` (`scale_of`: EKFAC's running statistic per layer)."""
+    """The rule of `mode` (`scale_of`: EKFAC's running statistic per layer; `rest_scale`:
+    SOAP's step on the parameters outside the layers, a multiple of the rate)."""
     if mode is Mode.EKFAC:
         return EKFACRule(scale_of=scale_of, graft=graft, moments=moments)
     if mode is Mode.SOAP:
-        return SOAPRule(moments=moments)
+        return SOAPRule(moments=moments, rest_scale=rest_scale)
     return UpdateRule(Mode.KFAC, graft=graft, moments=moments)

@@ -242,7 +242,7 @@ class KFAC:
             group=self.groups.group, cost=self.costs.link,
         )  # fmt: skip
         self.rule = make_rule(
-            cfg.mode, graft=cfg.graft, scale_of=self._scale_of,
+            cfg.mode, graft=cfg.graft, scale_of=self._scale_of, rest_scale=cfg.rest_lr_scale,
             moments=Moments(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps),
         )  # fmt: skip
         self.capture = FactorCapture(
