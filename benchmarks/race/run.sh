@@ -194,6 +194,15 @@ soap-intervals-digits-cnn-fast() {
         --strategies "ssgd+adamw@0.01;$SOAP,factor_interval=1+sgd-plain@0.01;$SOAP,factor_interval=5+sgd-plain@0.01"
 }
 
+# The same five seeds after SOAP's Adam went to fewer operators and the norms' Adam to
+# torch's multi-tensor operators (ca7fce7): the eigenbasis step against AdamW's.
+# Result: 20.5 against 16.2 ms a step, 1.27x (was 1.32x); time to 97% 1.13x AdamW's.
+soap-step-digits-cnn-fast() {
+    race soap-step-digits-cnn-fast --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth fast --max-steps 600 --eval-every 5 --seeds 0,1,2,3,4 \
+        --strategies "ssgd+adamw@0.01;$SOAP+sgd-plain@0.01"
+}
+
 tune-soap-intervals-gpt() {
     race tune-soap-intervals-gpt --workload gpt --metric loss --target 2.6 --nodes 4 \
         --bandwidth fast --seeds 10 --max-steps 60 --eval-every 5 \
@@ -254,6 +263,27 @@ tune-soap-rest-gpt-2() {
     race tune-soap-rest-gpt-2 --workload gpt --metric loss --target 2.6 --nodes 4 \
         --bandwidth fast --seeds 10 --max-steps 40 --eval-every 5 \
         --strategies "$SOAP,rest_lr_scale=10+sgd-plain@0.001;$SOAP,rest_lr_scale=6.67+sgd-plain@0.0015;$SOAP,rest_lr_scale=5+sgd-plain@0.002"
+}
+
+# Result (tune-soap-rest-gpt-2): the norms at Muon's rate with the matrices at 0.0015 took
+# 20 steps (2.563), at 0.002 25: the matrices stay at 0.001, the norms at 10x.
+# The races with it: at `fast` five seeds against Muon; at `slow` three seeds against Muon
+# on S-SGD and on torch's Power-SGD hook and against heavyball's SOAP, the SOAP mode on
+# S-SGD and on the compressed wire (ACP-SGD rank 16, factors in bf16).
+SOAP_REST="$SOAP,rest_lr_scale=10"
+# Result: `fast` 0.85x [0.81-1.29] Muon (20 steps on four seeds of five); `slow` 1.23x Muon,
+# 0.78x heavyball's SOAP, over ACP-SGD 1.08x Muon (30 steps) and 1.84x Muon on Power-SGD.
+second-order-gpt-rest() {  # BANDWIDTH [SEEDS]
+    local s="+sgd-plain@0.001" m="+muon-fp32@0.01" acp="$SOAP_REST,comm_dtype=bf16,compression=acpsgd,rank=16"
+    local entries="ssgd$m;$SOAP_REST$s" compare="$SOAP_REST+sgd-plain/ssgd+muon-fp32"
+    if [[ "$1" == "slow" ]]; then
+        entries+=";torch-powersgd:rank=16$m;ssgd+heavyball-soap@0.003;$acp$s"
+        compare+=";$acp+sgd-plain/ssgd+muon-fp32;$acp+sgd-plain/torch-powersgd:rank=16+muon-fp32"
+        compare+=";$SOAP_REST+sgd-plain/ssgd+heavyball-soap;$acp+sgd-plain/ssgd+heavyball-soap"
+    fi
+    race "second-order-gpt-rest-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --seeds "${2:-0,1,2}" --max-steps 60 --eval-every 10 \
+        --strategies "$entries" --compare "$compare"
 }
 
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
