@@ -286,6 +286,19 @@ second-order-gpt-rest() {  # BANDWIDTH [SEEDS]
         --strategies "$entries" --compare "$compare"
 }
 
+# With the norms at 10x, the SOAP mode at `slow` reaches 2.6 in 20 steps on every seed but
+# its factors make its step dearer than Muon's (3.84 against 3.12 s). An fp16 gradient and
+# bf16 factors halve its bytes (14.8 against 26.2 MB a step in second-order-gpt-wire-slow,
+# where without the norms' scale it took 30 steps); Muon beside it on S-SGD and on the
+# same fp16 gradient.
+second-order-gpt-rest-fp16() {  # BANDWIDTH [SEEDS]
+    local s="$SOAP_REST,comm_dtype=bf16,compression=fp16+sgd-plain" m="+muon-fp32"
+    race "second-order-gpt-rest-fp16-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --seeds "${2:-0,1,2}" --max-steps 60 --eval-every 10 \
+        --strategies "ssgd$m@0.01;fp16$m@0.01;$s@0.001" \
+        --compare "$s/ssgd$m;$s/fp16$m"
+}
+
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
 # tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
 tune-second-order-digits-cnn() {
