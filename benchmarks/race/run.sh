@@ -273,6 +273,9 @@ tune-soap-rest-gpt-2() {
 SOAP_REST="$SOAP,rest_lr_scale=10"
 # Result: `fast` 0.85x [0.81-1.29] Muon (20 steps on four seeds of five); `slow` 1.23x Muon,
 # 0.78x heavyball's SOAP, over ACP-SGD 1.08x Muon (30 steps) and 1.84x Muon on Power-SGD.
+# Eight seeds at `fast` into second-order-gpt-rest-fast-8:
+# `SUFFIX=-8 run.sh second-order-gpt-rest fast 0,1,2,3,4,5,6,7`.
+# Result: 0.85x [0.83-0.87] Muon, `faster` (20 steps on seven seeds of eight).
 second-order-gpt-rest() {  # BANDWIDTH [SEEDS]
     local s="+sgd-plain@0.001" m="+muon-fp32@0.01" acp="$SOAP_REST,comm_dtype=bf16,compression=acpsgd,rank=16"
     local entries="ssgd$m;$SOAP_REST$s" compare="$SOAP_REST+sgd-plain/ssgd+muon-fp32"
@@ -281,7 +284,7 @@ second-order-gpt-rest() {  # BANDWIDTH [SEEDS]
         compare+=";$acp+sgd-plain/ssgd+muon-fp32;$acp+sgd-plain/torch-powersgd:rank=16+muon-fp32"
         compare+=";$SOAP_REST+sgd-plain/ssgd+heavyball-soap;$acp+sgd-plain/ssgd+heavyball-soap"
     fi
-    race "second-order-gpt-rest-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+    race "second-order-gpt-rest-$1${SUFFIX:-}" --workload gpt --metric loss --target 2.6 --nodes 4 \
         --bandwidth "$1" --seeds "${2:-0,1,2}" --max-steps 60 --eval-every 10 \
         --strategies "$entries" --compare "$compare"
 }
@@ -291,6 +294,8 @@ second-order-gpt-rest() {  # BANDWIDTH [SEEDS]
 # bf16 factors halve its bytes (14.8 against 26.2 MB a step in second-order-gpt-wire-slow,
 # where without the norms' scale it took 30 steps); Muon beside it on S-SGD and on the
 # same fp16 gradient.
+# Result (five seeds at `slow`): 20 steps on every seed, 1.02x [0.92-1.03] Muon on S-SGD,
+# 1.38x Muon on the fp16 gradient: its step (3.36 s) costs more than its 15.9 MB say.
 second-order-gpt-rest-fp16() {  # BANDWIDTH [SEEDS]
     local s="$SOAP_REST,comm_dtype=bf16,compression=fp16+sgd-plain" m="+muon-fp32"
     race "second-order-gpt-rest-fp16-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
