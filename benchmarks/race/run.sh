@@ -304,6 +304,16 @@ second-order-gpt-rest-fp16() {  # BANDWIDTH [SEEDS]
         --compare "$s/ssgd$m;$s/fp16$m"
 }
 
+# Every worker its own block (distribution=hybrid, grad_workers=1): each decomposes every
+# factor itself, so no eigenbasis crosses the slow link (three seeds, Muon on S-SGD beside).
+# Result: worse, 1.21x Muon (24.4 MB and 4.13 s a step: every factor all-reduced to all).
+second-order-gpt-rest-local() {  # BANDWIDTH [SEEDS]
+    local s="$SOAP_REST,comm_dtype=bf16,compression=fp16,distribution=hybrid,grad_workers=1+sgd-plain"
+    race "second-order-gpt-rest-local-$1" --workload gpt --metric loss --target 2.6 --nodes 4 \
+        --bandwidth "$1" --seeds "${2:-0,1,2}" --max-steps 60 --eval-every 10 \
+        --strategies "ssgd+muon-fp32@0.01;$s@0.001" --compare "$s/ssgd+muon-fp32"
+}
+
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
 # tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
 tune-second-order-digits-cnn() {
