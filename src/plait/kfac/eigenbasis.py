@@ -380,10 +380,12 @@ class SOAPRule(UpdateRule):
         damping: float, update: bool,
     ) -> torch.Tensor:  # fmt: skip
         st = self.layers.setdefault(name, _Layer())
-        step, m, v = _adam(st.tensors, st.t, to_basis(grad, a, g), self.moments)
+        step = st.t + 1
+        (m,), (v,) = _adam([st.tensors], [to_basis(grad, a, g)], self.moments)
         if update:
             st.t, st.tensors["m"], st.tensors["v"] = step, m, v
-        return from_basis(_normalised(m, v, step, self.moments), a, g)
+        (out,) = _normalised([m], [v], step, self.moments)
+        return from_basis(out, a, g)
 
     def rest(self, params: Sequence[nn.Parameter], *, update: bool = True) -> None:
         """Adam on the parameters outside the layers, all of one step count at once.
@@ -400,11 +402,11 @@ class SOAPRule(UpdateRule):
         for t, items in by_t.items():
             states = [self.rest_state[i]["tensors"] for i, _ in items]
             grads = [g for _, g in items]
-            ms, vs = _adam_many(states, t, grads, self.moments)
+            ms, vs = _adam(states, grads, self.moments)
             if update:
                 for (i, _), m, v in zip(items, ms, vs, strict=True):
                     self.rest_state[i] = {"t": t + 1, "tensors": {"m": m, "v": v}}
-            out = _normalised_many(ms, vs, t + 1, self.moments, scale=self.rest_scale)
+            out = _normalised(ms, vs, t + 1, self.moments, scale=self.rest_scale)
             torch._foreach_copy_(grads, out)
 
     def state_dict(self) -> dict[str, Any]:
@@ -417,31 +419,11 @@ class SOAPRule(UpdateRule):
 
 
 def _adam(
-    held: dict[str, torch.Tensor], t: int, grad: torch.Tensor, mo: Moments
-) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """One step of Adam's moments from `held` (new tensors; `held` is not changed)."""
-    m, v = held.get("m"), held.get("v")
-    if m is None or v is None:
-        return t + 1, grad * (1.0 - mo.beta1), grad.square().mul_(1.0 - mo.beta2)
-    return (
-        t + 1,
-        torch.lerp(m, grad, 1.0 - mo.beta1),
-        torch.addcmul(v * mo.beta2, grad, grad, value=1.0 - mo.beta2),
-    )
-
-
-def _normalised(m: torch.Tensor, v: torch.Tensor, t: int, mo: Moments) -> torch.Tensor:
-    """``m_hat / (sqrt(v_hat) + eps)`` in four operators: with ``c1, c2`` the bias
-    corrections, it is ``m / (sqrt(v) + eps sqrt(c2)) * sqrt(c2) / c1``."""
-    c1, root2 = mo.bias(mo.beta1, t), mo.bias(mo.beta2, t) ** 0.5
-    return torch.div(m, v.sqrt().add_(mo.eps * root2)).mul_(root2 / c1)
-
-
-def _adam_many(
-    held: list[dict[str, torch.Tensor]], t: int, grads: list[torch.Tensor], mo: Moments
+    held: list[dict[str, torch.Tensor]], grads: list[torch.Tensor], mo: Moments
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`_adam` on tensors of one step count `t` (new tensors; `held` is not changed)."""
-    if t == 0 or any("m" not in h or "v" not in h for h in held):
+    """One step of Adam's moments from the `held` ones (none before the first), on torch's
+    multi-tensor operators. Returns new tensors; `held` is not changed."""
+    if any("m" not in h or "v" not in h for h in held):
         ms = torch._foreach_mul(grads, 1.0 - mo.beta1)
         vs = torch._foreach_mul(grads, grads)
         torch._foreach_mul_(vs, 1.0 - mo.beta2)
@@ -452,10 +434,12 @@ def _adam_many(
     return list(ms), list(vs)
 
 
-def _normalised_many(
+def _normalised(
     ms: list[torch.Tensor], vs: list[torch.Tensor], t: int, mo: Moments, *, scale: float = 1.0
 ) -> list[torch.Tensor]:
-    """`_normalised` on many tensors of one step count, times `scale`."""
+    """``m_hat / (sqrt(v_hat) + eps)`` times `scale` for tensors of step count `t`, in four
+    operators: with ``c1, c2`` the bias corrections, ``m / (sqrt(v) + eps sqrt(c2))`` times
+    ``sqrt(c2) / c1``."""
     c1, root2 = mo.bias(mo.beta1, t), mo.bias(mo.beta2, t) ** 0.5
     den = torch._foreach_sqrt(vs)
     torch._foreach_add_(den, mo.eps * root2)
