@@ -324,6 +324,28 @@ second-order-gpt-rest-refresh() {  # BANDWIDTH [SEEDS]
         --strategies "ssgd+muon-fp32@0.01;$s@0.001" --compare "$s/ssgd+muon-fp32"
 }
 
+# The same basis every 20th step for a verdict (five seeds at `slow`), with Muon beside it
+# on every wire its user would pick there: S-SGD, the same fp16 gradient, torch's Power-SGD.
+# Result: 20 steps for every entry on every seed; 0.82x [0.80-0.85] Muon on S-SGD, `faster`;
+# 1.10x Muon on the fp16 gradient and 1.32x Muon on Power-SGD, both `slower`.
+second-order-gpt-refresh-wire() {  # BANDWIDTH [SEEDS]
+    local s="$SOAP_REST,comm_dtype=bf16,compression=fp16,inv_interval=20+sgd-plain" m="+muon-fp32"
+    race "second-order-gpt-refresh-wire-$1" --workload gpt --metric loss --target 2.6 \
+        --nodes 4 --bandwidth "$1" --seeds "${2:-0,1,2,3,4}" --max-steps 60 --eval-every 10 \
+        --strategies "ssgd$m@0.01;fp16$m@0.01;torch-powersgd:rank=16$m@0.01;$s@0.001" \
+        --compare "$s/ssgd$m;$s/fp16$m;$s/torch-powersgd:rank=16$m"
+}
+
+# Tuned K-FAC on the digits CNN pays 40-60 ms a step in its first 25 (the "auto" rule's
+# probe, factors every step) against 30 ms after it and AdamW's 23 ms: fixed intervals from
+# the first step instead, on the tuning seeds.
+tune-kfac-intervals-digits-cnn() {
+    local k="spd-kfac:$TUNED"
+    race tune-kfac-intervals-digits-cnn --workload digits-cnn --target 0.97 --nodes 4 \
+        --bandwidth fast --seeds 10,11,12 --max-steps 400 --eval-every 5 \
+        --strategies "ssgd+adamw@0.01;$KFAC,$TUNED+sgd@0.02;$k,factor_interval=1,inv_interval=4+sgd@0.02;$k,factor_interval=2,inv_interval=4+sgd@0.02;$k,factor_interval=4,inv_interval=4+sgd@0.02;$k,factor_interval=4,inv_interval=8+sgd@0.02"
+}
+
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
 # tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
 tune-second-order-digits-cnn() {
