@@ -36,6 +36,9 @@ CONVS: list[dict[str, Any]] = [
     {"kernel_size": 3, "padding": 2, "padding_mode": "circular", "stride": 2},
     {"kernel_size": 3, "padding": 1, "padding_mode": "replicate", "groups": 2},
     {"kernel_size": 1, "groups": 4},
+    # asymmetric 'same' padding (even kernel) and strides that skip rows and columns
+    {"kernel_size": 4, "padding": "same"},
+    {"kernel_size": (2, 3), "stride": (2, 3), "padding": (1, 0), "dilation": (1, 2)},
 ]
 
 

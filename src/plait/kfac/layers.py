@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -353,6 +354,7 @@ class Conv2dLayer(KFACLayer):
         self.groups = module.groups
         kh, kw = module.kernel_size
         self.patch = module.in_channels // module.groups * kh * kw
+        self._selection_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def a_shape(self) -> FactorShape:
@@ -392,16 +394,55 @@ class Conv2dLayer(KFACLayer):
         return _g_rows(rows, batch_size, self.groups)
 
     def a_reduced(self, inputs: torch.Tensor, samples: int) -> torch.Tensor:
-        """Each sample's mean patch, averaged from a strided view of the padded input: the
-        patches are never materialised (`_patches` copies kernel-size times the input)."""
+        """Each sample's mean patch, without materialising the patches (`_patches` copies
+        kernel-size times the input).
+
+        Tap ``(i, j)`` of the mean patch averages, over the output positions, the input
+        element that tap reads: a sum over a set of input rows and columns fixed by the
+        kernel's geometry, so the taps are ``S_h^T x S_w / positions`` with 0/1 selection
+        matrices over the unpadded input (zero padding adds nothing). Two small matmuls:
+        on the digits CNN 40 us a layer, against 167 us for averaging a strided view of the
+        padded input, which stays for the other padding modes.
+        """
         m = self.module
-        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
-        # [B, C, H', W', window_h, window_w], then the kernel's taps within each window
-        x = self._padded(inputs)
-        view = x.unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)
-        taps = view[..., ::dh, ::dw].mean(dim=(2, 3))  # [B, C, kh, kw]
+        x = _batched(inputs)
+        if m.padding_mode == "zeros":
+            rows_t, cols = self._selections(x)
+            taps = torch.matmul(rows_t, torch.matmul(x, cols))  # [B, C, kh, kw]
+        else:
+            (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+            # [B, C, H', W', window_h, window_w], then the kernel's taps within each window
+            view = self._padded(x).unfold(2, (kh - 1) * dh + 1, sh).unfold(3, (kw - 1) * dw + 1, sw)
+            taps = view[..., ::dh, ::dw].mean(dim=(2, 3))
         rows = taps.reshape(samples, self.groups, self.patch).transpose(0, 1)
         return _with_ones(rows) if self.has_bias else rows
+
+    def _selections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(S_h^T / positions, S_w)`` for an input of `x`'s size, cached per size."""
+        key = (x.shape[-2], x.shape[-1], x.dtype, x.device)
+        cached = self._selection_cache.get(key)
+        if cached is None:
+            (sel_h, out_h), (sel_w, out_w) = (
+                self._selection(int(x.shape[-2 + axis]), axis, x) for axis in (0, 1)
+            )
+            cached = ((sel_h.t() / (out_h * out_w)).contiguous(), sel_w)
+            self._selection_cache[key] = cached
+        return cached
+
+    def _selection(self, n: int, axis: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """[n, kernel taps] along `axis` (0: height): entry ``(r, i)`` counts the output
+        positions at which tap `i` reads input row `r`; and the number of positions."""
+        m = self.module
+        k, s, d = m.kernel_size[axis], m.stride[axis], m.dilation[axis]
+        pad = m._reversed_padding_repeated_twice  # (left, right, top, bottom)
+        before, after = (pad[2], pad[3]) if axis == 0 else (pad[0], pad[1])
+        out = (n + before + after - (k - 1) * d - 1) // s + 1
+        sel = torch.zeros(n, k, dtype=like.dtype, device=like.device)
+        read = torch.arange(out, device=like.device) * s - before
+        for i in range(k):
+            r = read + i * d
+            sel[r[(r >= 0) & (r < n)], i] = 1.0  # one position per row: s >= 1
+        return sel, out
 
     def g_reduced(self, grad_output: torch.Tensor, batch_size: int) -> torch.Tensor:
         return _g_rows(_batched(grad_output).sum(dim=(2, 3)), batch_size, self.groups)

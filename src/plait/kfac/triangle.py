@@ -122,9 +122,19 @@ def syrk(rows: torch.Tensor, *, dense: bool | None = None) -> torch.Tensor:
     return out
 
 
+@lru_cache(maxsize=256)
+def _mirror_index(n: int, device: str) -> torch.Tensor:
+    """Flat positions of the mirror images (below the diagonal) of `_band_index`'s."""
+    idx = _band_index(n, "cpu")
+    return (idx % n * n + idx // n).to(device)
+
+
 def pack(matrix: torch.Tensor) -> torch.Tensor:
     """Upper triangles of a [groups, n, n] matrix in the band layout (lower never read)."""
     groups, n, _ = matrix.shape
+    if n <= TILE:  # one band: one gather for every group (the band walk is 4 ops a group)
+        flat = matrix.reshape(groups, n * n)
+        return flat.index_select(1, _band_index(n, str(matrix.device))).view(-1)
     out = matrix.new_empty(groups * packed_numel(n))
     for band in _walk(n, groups):
         m, i, j = matrix[band.group], band.start, band.stop
@@ -137,6 +147,12 @@ def pack(matrix: torch.Tensor) -> torch.Tensor:
 def unpack(flat: torch.Tensor, n: int, groups: int, *, mirror: bool = True) -> torch.Tensor:
     """Inverse of `pack`: [groups, n, n], symmetric with `mirror`, else zero below."""
     out = flat.new_zeros(groups, n, n)
+    if n <= TILE:  # one band: one scatter (two with the mirror) for every group
+        dst, src, device = out.view(groups, n * n), flat.view(groups, -1), str(flat.device)
+        dst.index_copy_(1, _band_index(n, device), src)
+        if mirror:
+            dst.index_copy_(1, _mirror_index(n, device), src)
+        return out
     for band in _walk(n, groups):
         m, i, j = out[band.group], band.start, band.stop
         upper, lower = _triu_index(j - i, str(flat.device))
