@@ -8,8 +8,9 @@ import torch
 from plait.kfac import triangle
 
 # One band, exactly one band, one row more than a band, and several bands with a ragged
-# last one: every branch of the band layout.
-DIMS = [1, 5, triangle.TILE, triangle.TILE + 1, 2 * triangle.TILE + 44]
+# last one: every branch of the band layout; on both sides of the gather's limit.
+DIMS = [1, 5, triangle.TILE, triangle.TILE + 1, triangle.GATHER_MAX, triangle.GATHER_MAX + 1,
+        2 * triangle.TILE + 44]  # fmt: skip
 
 
 @pytest.mark.parametrize("n", DIMS)

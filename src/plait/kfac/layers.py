@@ -354,7 +354,7 @@ class Conv2dLayer(KFACLayer):
         self.groups = module.groups
         kh, kw = module.kernel_size
         self.patch = module.in_channels // module.groups * kh * kw
-        self._selection_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._selection_cache: dict[tuple[Any, ...], torch.Tensor] = {}
 
     @property
     def a_shape(self) -> FactorShape:
@@ -400,15 +400,16 @@ class Conv2dLayer(KFACLayer):
         Tap ``(i, j)`` of the mean patch averages, over the output positions, the input
         element that tap reads: a sum over a set of input rows and columns fixed by the
         kernel's geometry, so the taps are ``S_h^T x S_w / positions`` with 0/1 selection
-        matrices over the unpadded input (zero padding adds nothing). Two small matmuls:
-        on the digits CNN 40 us a layer, against 167 us for averaging a strided view of the
-        padded input, which stays for the other padding modes.
+        matrices over the unpadded input (zero padding adds nothing), that is one product
+        of the flattened maps with ``kron(S_h, S_w) / positions`` ([H W, kh kw]). On the
+        digits CNN's 8x8 maps a few microseconds, against 167 us a layer for averaging a
+        strided view of the padded input, which stays for the other padding modes.
         """
         m = self.module
         x = _batched(inputs)
         if m.padding_mode == "zeros":
-            rows_t, cols = self._selections(x)
-            taps = torch.matmul(rows_t, torch.matmul(x, cols))  # [B, C, kh, kw]
+            b, c, h, w = x.shape
+            taps = torch.matmul(x.reshape(b, c, h * w), self._selection_matrix(x))
         else:
             (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
             # [B, C, H', W', window_h, window_w], then the kernel's taps within each window
@@ -417,15 +418,15 @@ class Conv2dLayer(KFACLayer):
         rows = taps.reshape(samples, self.groups, self.patch).transpose(0, 1)
         return _with_ones(rows) if self.has_bias else rows
 
-    def _selections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(S_h^T / positions, S_w)`` for an input of `x`'s size, cached per size."""
+    def _selection_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        """``kron(S_h, S_w) / positions`` for an input of `x`'s size, cached per size."""
         key = (x.shape[-2], x.shape[-1], x.dtype, x.device)
         cached = self._selection_cache.get(key)
         if cached is None:
             (sel_h, out_h), (sel_w, out_w) = (
                 self._selection(int(x.shape[-2 + axis]), axis, x) for axis in (0, 1)
             )
-            cached = ((sel_h.t() / (out_h * out_w)).contiguous(), sel_w)
+            cached = torch.kron(sel_h, sel_w) / (out_h * out_w)
             self._selection_cache[key] = cached
         return cached
 
