@@ -116,6 +116,9 @@ def test_kl_clip_scale() -> None:
     assert float(s) == pytest.approx(math.sqrt(0.06 / 0.24))
     assert float(kl_clip_scale(list(zip(p, m, strict=True)), lr=0.1, kl_clip=10.0)) == 1.0
     assert float(kl_clip_scale([(torch.zeros(2), torch.ones(2))], lr=0.1, kl_clip=1.0)) == 1.0
+    # the KL change is |lr^2 <P, M>|: a negative product clips as its magnitude does
+    s = kl_clip_scale([(-p[0], m[0])], lr=0.1, kl_clip=0.06)
+    assert float(s) == pytest.approx(math.sqrt(0.06 / 0.24))
 
 
 def test_an_indefinite_factor_is_lifted_to_the_damping_floor() -> None:

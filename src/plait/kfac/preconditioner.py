@@ -737,11 +737,11 @@ class KFAC:
                     lr=self._lr(step),
                     kl_clip=float(self.at("kl_clip", step)),
                 ).to(pairs[0][1].dtype)
-                for layer, p, _ in pairs:
-                    layer.set_grad_matrix(p * scale)
-            else:
-                for layer, p, _ in pairs:
-                    layer.set_grad_matrix(p)
+                # in place: every direction here is this step's own tensor (a clipping
+                # rule's product, or a broadcast's buffer), and one operator scales all
+                torch._foreach_mul_([p for _, p, _ in pairs], scale)
+            for layer, p, _ in pairs:
+                layer.set_grad_matrix(p)
 
     @torch.no_grad()
     def dry_step(self) -> None:
