@@ -181,7 +181,7 @@ class FactorPipeline:
         self._index: dict[str, int] = {}
         self.running: torch.Tensor | None = None
         self._batch: torch.Tensor | None = None
-        self.initialized: torch.Tensor | None = None  # bool per slot
+        self.initialized: list[bool] | None = None  # per slot (a list: read per factor)
         self.plan: BucketPlan = []
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[int] = []
@@ -207,7 +207,7 @@ class FactorPipeline:
         return (
             self.initialized is not None
             and key in self._index
-            and bool(self.initialized[self._index[key]])
+            and self.initialized[self._index[key]]
         )
 
     def factor_upper(self, key: str) -> torch.Tensor:
@@ -245,16 +245,18 @@ class FactorPipeline:
 
     def put(
         self, key: str, *, layer: str, kind: FactorKind, shape: FactorShape, wire: torch.Tensor,
-        uses: int = 1,
+        uses: int = 1, scale: float = 1.0,
     ) -> None:  # fmt: skip
-        """Hand over a finished factor of this step (the mean over this worker's rows), flat
-        in this pipeline's wire layout (`WireLayout.numel` elements).
+        """Hand over a finished factor of this step, flat in this pipeline's wire layout
+        (`WireLayout.numel` elements): ``wire * scale`` is the mean over this worker's rows
+        (the scale rides on the fold or the copy that follows, not an operator of its own).
 
         Called from the forward/backward hooks; may issue the bucket it completes.
         """
         st = self._step
         assert st is not None, "put outside a step"
         if not self.discovered:
+            wire = wire if scale == 1.0 else wire * scale
             self._discovery.append(_Found(key=key, layer=layer, kind=kind, shape=shape,
                                           wire=wire, uses=uses,
                                           ready_s=time.perf_counter() - st.t0))  # fmt: skip
@@ -267,10 +269,10 @@ class FactorPipeline:
         assert wire.numel() == s.numel, f"{key}: {wire.numel()} wire elements, slot {s.numel}"
         region = slice(s.offset, s.offset + s.numel)
         if self.cfg.sync is FactorSync.LAZY or not st.communicate:
-            self._fold(i, wire, st.decay)
+            self._fold(i, wire, st.decay, scale)
         else:
             assert self._batch is not None
-            torch.div(wire, self.world, out=self._batch[region])
+            torch.mul(wire, scale / self.world, out=self._batch[region])
         st.fired.add(i)
         if st.communicate:
             st.ready_s[i] = time.perf_counter() - st.t0
@@ -279,15 +281,19 @@ class FactorPipeline:
             if self.cfg.comm is not FactorComm.AFTER_BACKWARD:
                 self._issue_ready(st)
 
-    def _fold(self, i: int, wire: torch.Tensor, decay: float) -> None:
-        """running <- decay * running + (1 - decay) * wire (or wire, the first time)."""
+    def _fold(self, i: int, wire: torch.Tensor, decay: float, scale: float = 1.0) -> None:
+        """running <- decay * running + (1 - decay) * scale * wire (or scale * wire, the
+        first time)."""
         s = self.slots[i]
         assert self.running is not None and self.initialized is not None
         dst = self.running[s.offset : s.offset + s.numel]
-        if bool(self.initialized[i]):
-            dst.mul_(decay).add_(wire, alpha=1.0 - decay)
-        else:
+        if self.initialized[i]:
+            dst.mul_(decay).add_(wire, alpha=(1.0 - decay) * scale)
+        elif scale == 1.0:
             dst.copy_(wire)
+            self.initialized[i] = True
+        else:
+            torch.mul(wire, scale, out=dst)
             self.initialized[i] = True
 
     def _issue_ready(self, st: _StepState) -> None:
@@ -399,7 +405,7 @@ class FactorPipeline:
         self.running = torch.zeros(offset, dtype=dtype, device=device)
         if self.cfg.sync is FactorSync.EAGER and self.world > 1:
             self._batch = torch.zeros(offset, dtype=dtype, device=device)
-        self.initialized = torch.zeros(len(self.slots), dtype=torch.bool)
+        self.initialized = [False] * len(self.slots)
         self.ready_est = self._agree([f.ready_s for f in found])
         self._make_plan(self.ready_est)
         for b in self._buckets:
@@ -479,7 +485,10 @@ class FactorPipeline:
         }
         if include_factors and self.running is not None:
             state["running"] = self.running.clone()
-            state["initialized"] = None if self.initialized is None else self.initialized.clone()
+            state["initialized"] = (
+                None if self.initialized is None
+                else torch.tensor(self.initialized, dtype=torch.bool)
+            )  # fmt: skip
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -506,7 +515,7 @@ class FactorPipeline:
             self._batch = torch.zeros(offset, dtype=dtype)
         init = state.get("initialized")
         self.initialized = (
-            init.clone() if init is not None else torch.zeros(len(self.slots), dtype=torch.bool)
+            [bool(v) for v in init.tolist()] if init is not None else [False] * len(self.slots)
         )
         self.ready_est = list(state.get("ready_est", [0.0] * len(self.slots)))
         self.comm_steps = int(state.get("comm_steps", 0))

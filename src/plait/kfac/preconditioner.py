@@ -416,13 +416,13 @@ class KFAC:
 
     def _finalize(self, key: str, layer: KFACLayer, kind: FactorKind) -> None:
         acc = self._acc.pop(key)
-        mean = acc.total.div_(max(acc.rows, 1))
+        scale = 1.0 / max(acc.rows, 1)  # the mean, applied where the pipeline folds or copies
         if kind is not FactorKind.A and self._micro:  # G and S: squares of output gradients
-            mean.mul_(float(self._micro + 1) ** 2)
+            scale *= float(self._micro + 1) ** 2
         if not self.pipeline.in_step:
             self._begin_pipeline_step()
-        self.pipeline.put(key, layer=layer.name, kind=kind, shape=layer.shape(kind), wire=mean,
-                          uses=acc.uses_now)  # fmt: skip
+        self.pipeline.put(key, layer=layer.name, kind=kind, shape=layer.shape(kind),
+                          wire=acc.total, uses=acc.uses_now, scale=scale)  # fmt: skip
 
     def _finalize_all(self) -> None:
         """Hand over what is left (all factors in the first step), in order of last use."""
