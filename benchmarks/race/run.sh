@@ -349,6 +349,9 @@ tune-kfac-intervals-digits-cnn() {
 # Result (tune-kfac-intervals-digits-cnn, medians of seeds 10-12 against AdamW): "auto"
 # 1.17x (60 steps), every 1/4 1.04x, 2/4 0.70x (40 steps), 4/4 0.86x, 4/8 0.72x (50 steps,
 # 25.6 ms a step against AdamW's 19.7). The two best on the five race seeds:
+# Result: at 561e3e4 every 4th/8th 0.77x AdamW, 2nd/4th 0.79x (`faster`); after the K-FAC
+# step's operator cuts (`SUFFIX=-2` at 5ee957c: 0.72x; `-3` and `-4` at d76880b) every
+# 4th/8th 0.65x [0.34-0.94] and 0.66x [0.35-0.93], `faster` in both (50 steps, 24 ms).
 kfac-intervals-digits-cnn() {  # BANDWIDTH [SEEDS]
     local k="spd-kfac:$TUNED" a="ssgd+adamw"
     race "kfac-intervals-digits-cnn-$1${SUFFIX:-}" --workload digits-cnn --target 0.97 --nodes 4 \
