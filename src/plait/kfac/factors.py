@@ -306,8 +306,8 @@ def kl_clip_scale(
     """
     if not pairs:
         return torch.ones(())
-    # three operators for any number of layers (their count, not their size, is the cost
-    # on small models: 7 ops against 14 per-layer ones on the digits CNN's seven layers)
+    # the sum in three operators for any number of layers (on small models their count,
+    # not their size, is the cost: a dot per layer made it nine on the digits CNN)
     products = torch._foreach_mul([p for p, _ in pairs], [m for _, m in pairs])
     vg = torch.cat([x.reshape(-1) for x in products]).sum()
     # vg = 0 gives rsqrt(0) = inf, clamped to 1: no step to clip, and no branch
