@@ -10,6 +10,9 @@ command that takes ``--workload`` takes these factories:
         --strategies fused,fallback,serial,vmap --threads 1,2
     plait sweep --workload examples/transformers_workloads.py:gpt2 --trials 16 --epochs 1
 
+`gpt2_untied` is GPT-2 with its output layer untied from the token embedding, so that
+K-FAC, which leaves a weight shared by two layers to the optimizer, preconditions both.
+
 `plait.fuse` captures each model with torch.export and fuses it (`CapturedArray`): the
 same code as one model, B models per kernel. The architecture options (`width`, `layers`)
 are the models' keyword arguments, so a sweep may vary them (arrays then pool trials of
@@ -18,6 +21,7 @@ one shape).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn.functional as F
@@ -59,11 +63,13 @@ def _digit_images() -> DataSplit:
     return DataSplit(train=upsample(train), test=upsample(test), info=info, name="digits")
 
 
-def _gpt2(info: DataInfo, *, width: int = 32, layers: int = 2, **_: Any) -> nn.Module:
+def _gpt2(
+    info: DataInfo, *, width: int = 32, layers: int = 2, tied: bool = True, **_: Any
+) -> nn.Module:
     config = transformers.GPT2Config(
         vocab_size=info.num_classes, n_positions=info.block_size, n_embd=width,
         n_layer=layers, n_head=max(1, width // 16), use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
@@ -103,6 +109,15 @@ def gpt2() -> Workload:
     return Workload(name="hf-gpt2", build=_gpt2, real=_text, synthetic=_synthetic_text,
                     task=Task.LANGUAGE_MODEL, description=gpt2.__doc__ or "", bench_batch=8,
                     train_batch=32, lr=1e-3, optimizer="adam", epochs=1)  # fmt: skip
+
+
+def gpt2_untied() -> Workload:
+    """GPT-2 with its output layer untied from the token embedding: two matrices that
+    K-FAC preconditions (an embedding and a linear layer) where the tied one is left out."""
+    return Workload(name="hf-gpt2-untied", build=functools.partial(_gpt2, tied=False),
+                    real=_text, synthetic=_synthetic_text, task=Task.LANGUAGE_MODEL,
+                    description=gpt2_untied.__doc__ or "", bench_batch=8, train_batch=32,
+                    lr=1e-3, optimizer="adam", epochs=1)  # fmt: skip
 
 
 def llama() -> Workload:

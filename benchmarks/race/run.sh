@@ -405,6 +405,26 @@ tune-soap-hf-gpt2() {
         --strategies "ssgd+muon-fp32@0.03;$SOAP,rest_lr_scale=1+sgd-plain@0.01;$SOAP,rest_lr_scale=3+sgd-plain@0.01;$SOAP,rest_lr_scale=10,factor_interval=1,inv_interval=5+sgd-plain@0.01;$SOAP,rest_lr_scale=3,factor_interval=1,inv_interval=5+sgd-plain@0.01"
 }
 
+# Is the tied embedding the cause? The same GPT-2 with its output layer untied (each of
+# the two matrices then a K-FAC layer), seed 10, Muon beside it on both models.
+tune-soap-hf-gpt2-untied() {
+    race tune-soap-hf-gpt2-untied --workload examples/transformers_workloads.py:gpt2_untied \
+        --metric loss --target 0.1 --nodes 4 --bandwidth fast --seeds 10 --max-steps 100 \
+        --eval-every 10 --full-budget \
+        --strategies "ssgd+muon-fp32@0.03;ssgd+heavyball-soap@0.03;$SOAP_REST+sgd-plain@0.01;$SOAP,rest_lr_scale=3+sgd-plain@0.01"
+}
+
+# Result (tune-soap-hf-gpt2-untied): no; untied, the SOAP mode still takes 40-50 steps to
+# 2.4 (norms at 3x; 60 at 10x) where Muon takes 30. Next suspect: K-FAC-reduce, which sums
+# each sequence's positions into one row; the expand approximation keeps every position.
+# Result: no; with every position a row, 2.44 at step 40 and 2.35 at 50, as with reduce.
+tune-soap-hf-gpt2-expand() {
+    local e="spd-kfac:mode=soap,approximation=expand,rest_lr_scale=3+sgd-plain"
+    race tune-soap-hf-gpt2-expand --workload "$HF_GPT2" --metric loss --target 0.1 \
+        --nodes 4 --bandwidth fast --seeds 10 --max-steps 100 --eval-every 10 --full-budget \
+        --strategies "ssgd+muon-fp32@0.03;$e@0.01;$e@0.003"
+}
+
 # The same on the digits CNN: the new entries' rates tuned on seeds 10-12 (the seeds
 # tune-digits-cnn used), three rates each; SGD, AdamW, Muon and tuned K-FAC keep theirs.
 tune-second-order-digits-cnn() {

@@ -1,4 +1,4 @@
-"""examples/transformers_workloads.py: the four Hugging Face models as workload factories
+"""examples/transformers_workloads.py: the Hugging Face models as workload factories
 that plait's commands (`--workload file.py:name`) build, feed and train."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from plait.workloads import DataInfo, Workload, get_workload
 pytest.importorskip("transformers")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_workloads.py"
-NAMES = ["gpt2", "llama", "bert", "resnet18"]
+NAMES = ["gpt2", "gpt2_untied", "llama", "bert", "resnet18"]
 
 #: Data shapes of each workload, small: what its model is built for and fed.
 INFOS = {
     "gpt2": DataInfo(input_shape=(8,), num_classes=12, block_size=8),
+    "gpt2_untied": DataInfo(input_shape=(8,), num_classes=12, block_size=8),
     "llama": DataInfo(input_shape=(8,), num_classes=12, block_size=8),
     "bert": DataInfo(input_shape=(8,), num_classes=10, input_vocab=17),
     "resnet18": DataInfo(input_shape=(1, 16, 16), num_classes=10),
@@ -54,3 +55,13 @@ def test_each_factory_trains_on_its_own_data(name: str) -> None:
     x, y = next(iter(DataLoader(data.train, batch_size=2)))  # type: ignore[arg-type]
     torch.manual_seed(0)
     _trains(workload, workload.model(data.info, bench=True), x, y)
+
+
+def test_the_untied_gpt2_has_its_own_output_matrix() -> None:
+    """The variant K-FAC preconditions whole: the tied model shares one weight between its
+    token embedding and its output layer, the untied one has two."""
+    info = INFOS["gpt2"]
+    tied = get_workload(f"{EXAMPLE}:gpt2").model(info, bench=True)
+    untied = get_workload(f"{EXAMPLE}:gpt2_untied").model(info, bench=True)
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
