@@ -21,6 +21,7 @@ one shape).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -114,10 +115,9 @@ def gpt2() -> Workload:
 def gpt2_untied() -> Workload:
     """GPT-2 with its output layer untied from the token embedding: two matrices that
     K-FAC preconditions (an embedding and a linear layer) where the tied one is left out."""
-    return Workload(name="hf-gpt2-untied", build=functools.partial(_gpt2, tied=False),
-                    real=_text, synthetic=_synthetic_text, task=Task.LANGUAGE_MODEL,
-                    description=gpt2_untied.__doc__ or "", bench_batch=8, train_batch=32,
-                    lr=1e-3, optimizer="adam", epochs=1)  # fmt: skip
+    return dataclasses.replace(gpt2(), name="hf-gpt2-untied",
+                               build=functools.partial(_gpt2, tied=False),
+                               description=gpt2_untied.__doc__ or "")  # fmt: skip
 
 
 def llama() -> Workload:

@@ -289,11 +289,8 @@ class FactorPipeline:
         dst = self.running[s.offset : s.offset + s.numel]
         if self.initialized[i]:
             dst.mul_(decay).add_(wire, alpha=(1.0 - decay) * scale)
-        elif scale == 1.0:
-            dst.copy_(wire)
-            self.initialized[i] = True
         else:
-            torch.mul(wire, scale, out=dst)
+            torch.mul(wire, scale, out=dst)  # a copy, bit for bit, when scale is 1
             self.initialized[i] = True
 
     def _issue_ready(self, st: _StepState) -> None:
