@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import plait
+from plait.fused.ops import pooling
 from tests.fused.helpers import RTOL, build, images, rel_err, seq, train_both
 
 CASES = {
@@ -53,3 +54,34 @@ def test_pooling_hands_back_channels_last_gradients(pool: nn.Module) -> None:
     assert grad.is_contiguous(memory_format=torch.channels_last)
     for b in range(3):  # the stock layer's values (a 16-term mean may sum in another order)
         assert rel_err(out[b], pool(x[b].detach())) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [((3, 3), (2, 2), (1, 1), (1, 1), False), ((2, 2), (2, 2), (0, 0), (1, 1), True),
+     ((3, 2), (1, 2), (1, 0), (2, 1), False)],
+)  # fmt: skip
+def test_channels_last_max_pool_is_torchs_to_the_bit(settings: tuple) -> None:
+    # after a ReLU most windows tie at zero, and the index of a tie is where the two
+    # kernels could differ; a NaN and an all -inf plane check the other two cases
+    x = torch.relu(torch.randn(2, pooling.CHANNELS_LAST_POOL_MIN, 9, 8, dtype=torch.float64))
+    x[0, 1, 3, 3] = float("nan")
+    x[1, 2] = -float("inf")
+    x.requires_grad_()
+    out, index = pooling.max_pool2d_with_indices(x, *settings)
+    ref, ref_index = torch.ops.aten.max_pool2d_with_indices(x, *settings)
+    assert out.is_contiguous() and index.is_contiguous()
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    grad = torch.randn_like(ref)
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(ref, x, grad)
+    assert got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+def test_max_pool_of_few_channels_stays_on_the_contiguous_kernel() -> None:
+    x = torch.randn(2, pooling.CHANNELS_LAST_POOL_MIN - 1, 6, 6, requires_grad=True)
+    out, _ = pooling.max_pool2d_with_indices(x, (2, 2), (2, 2))
+    assert out.grad_fn is not None and "ChannelsLast" not in type(out.grad_fn).__name__
+    assert torch.equal(out, torch.nn.functional.max_pool2d(x, 2))

@@ -41,7 +41,7 @@ from plait.fused.ops.linear import addmm as batched_addmm
 from plait.fused.ops.linear import linear as batched_linear
 from plait.fused.ops.norm import batch_norm, group_norm, layer_norm
 from plait.fused.ops.norm import rms_norm as fused_rms_norm
-from plait.fused.ops.pooling import per_channel
+from plait.fused.ops.pooling import max_pool2d, max_pool2d_with_indices, per_channel
 from plait.fused.rules import align
 
 aten = torch.ops.aten
@@ -416,14 +416,14 @@ def spatial(k: int | None) -> Rule:
         first = next(iter(call.args))
         if any(call.batched(n) for n in call.args if n != first):
             raise call.unsupported("per-model arguments beyond the input cannot be fused")
-        op = call.op
+        op = _KERNELS.get(getattr(call.op, "overloadpacket", None), call.op)
 
         def impl(**kw: Any) -> Any:
             x = kw.pop(first)
             n = k if k is not None else x.dim() - 3
             return per_channel(lambda t: op(t, **kw), x, n)
 
-        return Rewrite(named(impl, op, "per_channel"))
+        return Rewrite(named(impl, call.op, "per_channel"))
 
     return rule
 
@@ -500,6 +500,11 @@ def class_loss(call: Call) -> Rewrite:
 
     return Rewrite(named(impl, op, "per_model"))
 
+
+#: Ops run on plait's choice of torch kernel (same values, faster).
+_KERNELS: dict[Any, Any] = {
+    aten.max_pool2d: max_pool2d, aten.max_pool2d_with_indices: max_pool2d_with_indices,
+}  # fmt: skip
 
 _SPATIAL: dict[Any, int | None] = {
     aten.max_pool1d: 1, aten.max_pool2d: 2, aten.max_pool3d: 3,

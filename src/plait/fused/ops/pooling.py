@@ -42,6 +42,76 @@ class KeepChannelsLast(torch.autograd.Function):
         return grad.contiguous(memory_format=torch.channels_last)
 
 
+#: Fewest channels at which `max_pool2d` takes the channels-last kernel: measured
+#: 2.8-3.9x faster than the contiguous one with 8 to 1024 channels (conversions
+#: included), 1.5x at 4, and slower at 3 (0.8x).
+CHANNELS_LAST_POOL_MIN = 8
+
+
+class _MaxPool2dChannelsLast(torch.autograd.Function):
+    """2-d max pooling of a contiguous CPU batch on torch's channels-last kernel.
+
+    torch's contiguous-layout CPU max-pool visits one output at a time (27 ns an output
+    on [8, 128, 16, 16], ResNet-18's stem pool in a fused array of 16, 1.8 ms a step),
+    where the channels-last kernel runs along the channels; with the layout conversions
+    the pool is 3.5x faster. Both kernels scan a window in the same order with the same
+    test (a larger value or a NaN takes over), so values and indices are bit-identical,
+    and the backward is torch's own, contiguous, from those indices.
+    """
+
+    @staticmethod
+    def forward(  # noqa: PLR0917 (autograd passes the inputs positionally)
+        ctx: Any, x: torch.Tensor, kernel: Any, stride: Any, padding: Any, dilation: Any,
+        ceil_mode: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        out, index = torch.ops.aten.max_pool2d_with_indices(
+            x.contiguous(memory_format=torch.channels_last), kernel, stride, padding,
+            dilation, ceil_mode,
+        )  # fmt: skip
+        index = index.contiguous()
+        ctx.save_for_backward(x, index)
+        ctx.settings = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.mark_non_differentiable(index)
+        return out.contiguous(), index
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
+        x, index = ctx.saved_tensors
+        gx = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad.contiguous(), x, *ctx.settings, index
+        )
+        return gx, None, None, None, None, None
+
+
+def max_pool2d_with_indices(  # noqa: PLR0917 (the operator's schema is positional)
+    x: torch.Tensor,
+    kernel_size: Any,
+    stride: Any = (),
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`aten.max_pool2d_with_indices`, on the channels-last kernel where that is faster
+    (a contiguous 4-d CPU batch of at least `CHANNELS_LAST_POOL_MIN` channels)."""
+    args = (kernel_size, stride, padding, dilation, ceil_mode)
+    if (
+        x.dim() == 4
+        and x.device.type == "cpu"
+        and x.shape[1] >= CHANNELS_LAST_POOL_MIN
+        and x.is_contiguous()
+    ):
+        out, index = _MaxPool2dChannelsLast.apply(x, *args)
+        return out, index
+    result: tuple[torch.Tensor, torch.Tensor] = torch.ops.aten.max_pool2d_with_indices(x, *args)
+    return result
+
+
+def max_pool2d(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`aten.max_pool2d` through `max_pool2d_with_indices`: the values only."""
+    return max_pool2d_with_indices(x, *args, **kwargs)[0]
+
+
 def per_channel(fn: Any, x: torch.Tensor, spatial: int) -> Any:
     """Apply a per-channel, per-sample op `fn` (pooling, interpolation) to [B, ...] input.
 
@@ -84,4 +154,14 @@ class FusedPool(FusedModule):
         return cls(pool=modules[0], num_models=len(modules))
 
     def forward(self, x: torch.Tensor) -> Any:
-        return per_channel(self.pool, x, self.spatial)
+        pool = self.pool
+        if type(pool) is nn.MaxPool2d:
+            indices = pool.return_indices
+            settings = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+
+            def fn(t: torch.Tensor) -> Any:
+                out = max_pool2d_with_indices(t, *settings)
+                return out if indices else out[0]
+
+            return per_channel(fn, x, self.spatial)
+        return per_channel(pool, x, self.spatial)
