@@ -141,14 +141,14 @@ class _WindowProduct(torch.autograd.Function):
         windows: tuple[tuple[slice, slice], ...],
     ) -> torch.Tensor:
         n, g, out_ch = x.shape[0], weight.shape[0], weight.shape[1]
-        rows = tuple(r for r, _ in windows)
-        taps = tuple(t for _, t in windows)
-        xw = x[(..., *rows)].reshape(n, g, -1).transpose(0, 1).contiguous()  # [G, N, C*T]
-        ws = weight[(..., *taps)].reshape(g, out_ch, -1).contiguous()  # [G, out, C*T]
+        rows: tuple[Any, ...] = (..., *(r for r, _ in windows))
+        taps: tuple[Any, ...] = (..., *(t for _, t in windows))
+        xw = x[rows].reshape(n, g, -1).transpose(0, 1).contiguous()  # [G, N, C*T]
+        ws = weight[taps].reshape(g, out_ch, -1).contiguous()  # [G, out, C*T]
         wt = ws.transpose(1, 2)
         y = torch.bmm(xw, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), xw, wt)
         ctx.save_for_backward(xw, ws)
-        ctx.shapes = (x.shape, weight.shape, rows, taps)
+        ctx.shapes = (x.shape, weight.shape, rows, taps[1:])
         ctx.has_bias = bias is not None
         return y.transpose(0, 1).reshape(n, g * out_ch, *[1] * len(windows))
 
@@ -164,12 +164,12 @@ class _WindowProduct(torch.autograd.Function):
             window = torch.bmm(gy, ws).transpose(0, 1)  # [N, G, C*T]
             inner = (
                 x_shape[1],
-                *(len(range(*r.indices(s))) for r, s in zip(rows, x_shape[2:], strict=True)),
+                *(len(range(*r.indices(s))) for r, s in zip(rows[1:], x_shape[2:], strict=True)),
             )
             gx = window.reshape(n, *inner)
             if tuple(gx.shape) != tuple(x_shape):  # the window is part of the input
                 full = gx.new_zeros(x_shape)
-                full[(..., *rows)] = gx
+                full[rows] = gx
                 gx = full
         if ctx.needs_input_grad[1]:
             gw = torch.bmm(gy.transpose(1, 2), xw)  # [G, out, C*T]
