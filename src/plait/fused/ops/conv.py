@@ -144,7 +144,9 @@ class _WindowProduct(torch.autograd.Function):
         rows: tuple[Any, ...] = (..., *(r for r, _ in windows))
         taps: tuple[Any, ...] = (..., *(t for _, t in windows))
         xw = x[rows].reshape(n, g, -1).transpose(0, 1).contiguous()  # [G, N, C*T]
-        ws = weight[taps].reshape(g, out_ch, -1).contiguous()  # [G, out, C*T]
+        index, place = _taps(tuple(weight.shape[3:]), tuple((t.start, t.stop) for t in taps[1:]))
+        ws = weight.flatten(3) if place is None else weight.flatten(3).index_select(3, index)
+        ws = ws.reshape(g, out_ch, -1)  # [G, out, C*T]
         wt = ws.transpose(1, 2)
         y = torch.bmm(xw, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), xw, wt)
         ctx.save_for_backward(xw, ws)
@@ -173,7 +175,7 @@ class _WindowProduct(torch.autograd.Function):
                 gx = full
         if ctx.needs_input_grad[1]:
             gw = torch.bmm(gy.transpose(1, 2), xw)  # [G, out, C*T]
-            place = _placement(tuple(w_shape[3:]), tuple((t.start, t.stop) for t in taps))
+            _, place = _taps(tuple(w_shape[3:]), tuple((t.start, t.stop) for t in taps))
             if place is not None:
                 gw = gw.reshape(-1, place.shape[0]) @ place.to(gw.dtype)
             gw = gw.reshape(w_shape)
@@ -183,15 +185,20 @@ class _WindowProduct(torch.autograd.Function):
 
 
 @functools.cache
-def _placement(kernel: tuple[int, ...], taps: tuple[tuple[int, int], ...]) -> torch.Tensor | None:
-    """The 0/1 matrix [T, prod(kernel)] placing a window's T taps in the whole kernel; None
-    when the window is the whole kernel."""
-    if all(stop - start == k for (start, stop), k in zip(taps, kernel, strict=True)):
-        return None
+def _taps(
+    kernel: tuple[int, ...], taps: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A window's T taps in the flattened kernel: their positions (for the weight's
+    gather, one `index_select`: 96 against 551 us for a strided copy of 4 of 9 taps of a
+    [16, 64, 32, 3, 3] weight, level for one tap) and the 0/1 matrix [T, prod(kernel)]
+    placing them back (None when the window is the whole kernel)."""
     index = torch.arange(math.prod(kernel)).view(kernel)[tuple(slice(a, b) for a, b in taps)]
+    index = index.flatten()
+    if index.numel() == math.prod(kernel):
+        return index, None
     place = torch.zeros(index.numel(), math.prod(kernel))
-    place[torch.arange(index.numel()), index.flatten()] = 1.0
-    return place
+    place[torch.arange(index.numel()), index] = 1.0
+    return index, place
 
 
 def _grouped(
