@@ -148,15 +148,15 @@ class _WindowProduct(torch.autograd.Function):
     ) -> torch.Tensor:
         n, g, out_ch = x.shape[0], weight.shape[0], weight.shape[1]
         rows: tuple[Any, ...] = (..., *(r for r, _ in windows))
-        taps: tuple[Any, ...] = (..., *(t for _, t in windows))
+        taps = tuple((t.start, t.stop) for _, t in windows)
         xw = x[rows].reshape(n, g, -1).transpose(0, 1).contiguous()  # [G, N, C*T]
-        index, place = _taps(tuple(weight.shape[3:]), tuple((t.start, t.stop) for t in taps[1:]))
+        index, place = _taps(tuple(weight.shape[3:]), taps)
         ws = weight.flatten(3) if place is None else weight.flatten(3).index_select(3, index)
         ws = ws.reshape(g, out_ch, -1)  # [G, out, C*T]
         wt = ws.transpose(1, 2)
         y = torch.bmm(xw, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), xw, wt)
         ctx.save_for_backward(xw, ws)
-        ctx.shapes = (x.shape, weight.shape, rows, taps[1:])
+        ctx.shapes = (x.shape, weight.shape, rows, taps)
         ctx.has_bias = bias is not None
         return y.transpose(0, 1).reshape(n, g * out_ch, *[1] * len(windows))
 
@@ -181,7 +181,7 @@ class _WindowProduct(torch.autograd.Function):
                 gx = full
         if ctx.needs_input_grad[1]:
             gw = torch.bmm(gy.transpose(1, 2), xw)  # [G, out, C*T]
-            _, place = _taps(tuple(w_shape[3:]), tuple((t.start, t.stop) for t in taps))
+            _, place = _taps(tuple(w_shape[3:]), taps)
             if place is not None:
                 gw = gw.reshape(-1, place.shape[0]) @ place.to(gw.dtype)
             gw = gw.reshape(w_shape)
