@@ -14,6 +14,7 @@ from torch import nn
 import plait
 from plait.fused import CapturedArray, FusedSGD, StructureMismatchError, UnsupportedLayerError
 from plait.fused.capture import array as capture_array
+from plait.fused.ops import conv as fused_conv
 from tests.fused.helpers import RTOL, build, rel_err
 
 pytest.importorskip("transformers")
@@ -187,3 +188,27 @@ def test_a_converted_array_captures_and_exports_in_its_new_dtype() -> None:
             ref = stock.double().eval()(**{k: v[b] for k, v in inputs.items()})
             # float64 end to end: only float64 rounding of differently ordered sums.
             assert rel_err(out.logits[b], ref.logits) <= 1e-12
+
+
+def test_resnet_on_small_images_takes_the_window_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8x8 images reach 1x1 maps in the second stage: its convolutions (3x3 over 2x2 at
+    # stride 2, 3x3 over 1x1, the 1x1 shortcut) have one output position each and run as
+    # batched products; the members must still train like stock models
+    calls: list[int] = []
+    original = fused_conv._WindowProduct.apply
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(fused_conv._WindowProduct, "apply", counted)
+
+    def small(g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {
+            "pixel_values": torch.randn(B, 4, 3, 8, 8, generator=g),
+            "labels": torch.randint(0, 3, (B, 4), generator=g),
+        }
+
+    array = captured(resnet, small(torch.Generator().manual_seed(7)))
+    assert train_like_stock(array, resnet, small, "adam") <= RTOL
+    assert len(calls) >= 3 * 10  # three such convolutions a step, ten steps
